@@ -1,0 +1,18 @@
+"""clover_hf: Clover speculative decoding for Hugging Face causal language models."""
+
+from .config import DEFAULT_TREE, CloverConfig
+from .decoding import GenerationStats, clover_generate
+from .heads import CloverHeads
+from .modeling import CloverForCausalLM
+from .tree import build_tree
+
+__all__ = [
+    "DEFAULT_TREE",
+    "CloverConfig",
+    "CloverForCausalLM",
+    "CloverHeads",
+    "GenerationStats",
+    "build_tree",
+    "clover_generate",
+]
+__version__ = "0.1.0"

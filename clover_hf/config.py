@@ -1,0 +1,160 @@
+"""CloverConfig: what a set of Clover heads is, and which base model it belongs to."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+# A 25-node tree (plus the root) in the Medusa path format: each path lists the top-k rank chosen at
+# every depth. Shaped like Medusa's sparse trees: wide near the root where heads are accurate,
+# thin at depth. Depth 4 matches the default `num_heads`.
+DEFAULT_TREE: list[list[int]] = [
+    [0], [1], [2], [3],
+    [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [3, 0],
+    [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [1, 0, 0], [0, 2, 0], [2, 0, 0],
+    [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0],
+    [0, 0, 0, 2], [0, 0, 2, 0],
+]
+
+
+def validate_tree(tree: list[list[int]], num_heads: int) -> list[list[int]]:
+    """Check a tree in the Medusa path format and return it as a sorted list of lists.
+
+    Every path's parent (the path without its last rank) must also be in the tree, so the tree is
+    closed under prefixes, and no path may be deeper than the number of heads that draft it.
+    """
+    if not tree:
+        raise ValueError("tree must hold at least one path, e.g. [[0], [0, 0]]")
+    paths = sorted({tuple(int(r) for r in p) for p in tree}, key=lambda p: (len(p), p))
+    known = set(paths)
+    for p in paths:
+        if len(p) == 0 or any(r < 0 for r in p):
+            raise ValueError(f"tree path {list(p)} must be a non-empty list of ranks >= 0")
+        if len(p) > num_heads:
+            raise ValueError(
+                f"tree path {list(p)} has depth {len(p)} but the heads draft only {num_heads} tokens; "
+                f"use paths of at most {num_heads} ranks or train more heads"
+            )
+        if len(p) > 1 and p[:-1] not in known:
+            raise ValueError(f"tree path {list(p)} has no parent {list(p[:-1])} in the tree")
+    return [list(p) for p in paths]
+
+
+@dataclass
+class CloverConfig:
+    """Configuration of Clover draft heads (saved as `config.json` next to the heads' weights).
+
+    The heads are built from the base model's sizes; `base_model_name_or_path` and `base_revision`
+    name the base they were trained on, as PEFT's adapter configs do.
+    """
+
+    hidden_size: int = field(metadata={"help": "Hidden size of the base model."})
+    vocab_size: int = field(metadata={"help": "Vocabulary size of the base model's lm_head."})
+    base_model_name_or_path: str | None = field(default=None, metadata={"help": "Base model the heads belong to."})
+    base_revision: str | None = field(default=None, metadata={"help": "Revision of the base model."})
+    base_model_type: str | None = field(default=None, metadata={"help": "model_type of the base config."})
+    num_heads: int = field(default=4, metadata={"help": "Draft depth: tokens drafted beyond the next one."})
+    num_augment_layers: int = field(default=1, metadata={"help": "Decoder layers in the Augmenting Block."})
+    num_attention_heads: int = field(default=8, metadata={"help": "Attention heads of the heads' layers."})
+    num_key_value_heads: int | None = field(default=None, metadata={"help": "KV heads (None: same as attention)."})
+    intermediate_size: int | None = field(default=None, metadata={"help": "MLP size (None: 4 x hidden)."})
+    rms_norm_eps: float = field(default=1e-6, metadata={"help": "Epsilon of the heads' RMSNorms."})
+    rope_theta: float = field(default=10000.0, metadata={"help": "RoPE base of the Augmenting Block."})
+    draft_vocab_size: int | None = field(
+        default=None, metadata={"help": "Draft from this many frequent tokens only (None: full vocabulary)."}
+    )
+    tree: list[list[int]] = field(default_factory=lambda: [list(p) for p in DEFAULT_TREE])
+    model_type: str = field(default="clover", metadata={"help": "Marks a Clover heads config."})
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "vocab_size", "num_heads", "num_augment_layers", "num_attention_heads"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.intermediate_size is None:
+            self.intermediate_size = 4 * self.hidden_size
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
+        if self.model_type != "clover":
+            raise ValueError(f"not a Clover heads config (model_type={self.model_type!r}, expected 'clover')")
+        self.tree = validate_tree(self.tree, self.num_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "CloverConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown CloverConfig fields {unknown}; known fields: {sorted(known)}")
+        return cls(**data)
+
+    def save(self, directory: str | Path) -> Path:
+        path = Path(directory) / CONFIG_NAME
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "CloverConfig":
+        path = Path(directory) / CONFIG_NAME
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no Clover heads config at {path}") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON: {err}") from None
+        if not isinstance(data, dict) or data.get("model_type") != "clover":
+            raise ValueError(
+                f"{path} is not a Clover heads config (model_type={data.get('model_type') if isinstance(data, dict) else None!r}); "
+                "pass the heads directory, or the base model with clover_heads=..."
+            )
+        return cls.from_dict(data)
+
+    @classmethod
+    def for_base(cls, base_config: Any, **overrides: Any) -> "CloverConfig":
+        """Size the heads from a transformers config (text config for multimodal models)."""
+        cfg = base_config.get_text_config() if hasattr(base_config, "get_text_config") else base_config
+        hidden = cfg.hidden_size
+        n_heads = getattr(cfg, "num_attention_heads", None)
+        if not n_heads or hidden % n_heads:
+            n_heads = next(h for h in (8, 4, 2, 1) if hidden % h == 0)
+        n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
+        if n_heads % n_kv:
+            n_kv = n_heads
+        defaults: dict[str, Any] = dict(
+            hidden_size=hidden,
+            vocab_size=cfg.vocab_size,
+            base_model_name_or_path=getattr(base_config, "_name_or_path", None) or None,
+            base_model_type=getattr(base_config, "model_type", None),
+            num_attention_heads=n_heads,
+            num_key_value_heads=n_kv,
+            intermediate_size=getattr(cfg, "intermediate_size", None) or 4 * hidden,
+            rms_norm_eps=float(getattr(cfg, "rms_norm_eps", None) or getattr(cfg, "layer_norm_epsilon", None) or 1e-6),
+        )
+        rope = getattr(cfg, "rope_theta", None)
+        if rope is None and isinstance(getattr(cfg, "rope_parameters", None), dict):
+            rope = cfg.rope_parameters.get("rope_theta")
+        if rope:
+            defaults["rope_theta"] = float(rope)
+        defaults.update(overrides)
+        return cls(**defaults)

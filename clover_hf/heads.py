@@ -1,0 +1,265 @@
+"""Clover draft heads: Augmenting Block, Attention Decoder, Regressive Connection, output heads.
+
+The heads never hold vocabulary-sized weights: token embeddings and the lm_head come from the base
+model at run time and are passed in explicitly (`embed`, `lm_weight`, `lm_bias`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import CloverConfig
+
+if TYPE_CHECKING:
+    from .tree import TreeBuffers
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (rotate-half form). x: (B, nh, T, hd); positions: (B, T)."""
+    hd = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
+    angles = positions.float()[:, None, :, None] * inv_freq  # (B, 1, T, hd/2)
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(x.dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(x.dtype)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+@dataclass
+class AugmentCache:
+    """Keys and values of the Augmenting Block's layers for the tokens accepted so far."""
+
+    keys: list[torch.Tensor]  # per layer (B, n_kv, T, hd)
+    values: list[torch.Tensor]
+
+    @property
+    def length(self) -> int:
+        return self.keys[0].shape[-2] if self.keys else 0
+
+
+class AugmentLayer(nn.Module):
+    """A pre-norm decoder layer (GQA self-attention with RoPE, SwiGLU MLP) with an explicit cache."""
+
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.rope_theta = config.rope_theta
+        self.input_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.q_proj = nn.Linear(h, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv * hd, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=False)
+        self.post_attention_layernorm = RMSNorm(h, config.rms_norm_eps)
+        self.gate_proj = nn.Linear(h, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, h, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (B, T, H)
+        positions: torch.Tensor,  # (B, T)
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attn_mask: torch.Tensor | None = None,  # additive (B, 1, T, past+T); None: plain causal
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        B, T, _ = x.shape
+        y = self.input_layernorm(x)
+        q = self.q_proj(y).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(y).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(y).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, positions, self.rope_theta), apply_rope(k, positions, self.rope_theta)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=-2), torch.cat([past[1], v], dim=-2)
+        rep = self.n_heads // self.n_kv
+        kk, vv = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if attn_mask is None and past is not None and past[0].shape[-2] > 0:
+            causal = torch.ones(T, k.shape[-2], dtype=torch.bool, device=x.device).tril(k.shape[-2] - T)
+            attn = F.scaled_dot_product_attention(q, kk, vv, attn_mask=causal)
+        elif attn_mask is None:
+            attn = F.scaled_dot_product_attention(q, kk, vv, is_causal=T > 1)
+        else:
+            attn = F.scaled_dot_product_attention(q, kk, vv, attn_mask=attn_mask)
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
+        y = self.post_attention_layernorm(x)
+        x = x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+        return x, (k, v)
+
+
+class AttentionDecoder(nn.Module):
+    """Merges a state with a token embedding through a per-head cosine gate: h + v(e) * cos(q(h), k(e))."""
+
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.n_heads = config.num_attention_heads
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.q_proj = nn.Linear(h, h, bias=False)
+        self.k_proj = nn.Linear(h, h, bias=False)
+        self.v_proj = nn.Linear(h, h, bias=False)
+        nn.init.zeros_(self.v_proj.weight)  # starts as the identity on h
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        shape = (*h.shape[:-1], self.n_heads, -1)
+        q = self.q_proj(self.norm(h)).view(shape)
+        k = self.k_proj(e).view(shape)
+        v = self.v_proj(e).view(shape)
+        gate = F.cosine_similarity(q, k, dim=-1).unsqueeze(-1)  # (..., n_heads, 1)
+        return h + (v * gate).flatten(-2)
+
+
+class OutputHead(nn.Module):
+    """Head i: normed features norm(s + SiLU(FC([s; e]))) that the base's lm_head turns into logits."""
+
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        nn.init.zeros_(self.fc.weight)
+        nn.init.zeros_(self.fc.bias)
+
+    def forward(self, s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return self.norm(s + F.silu(self.fc(torch.cat([s, e], dim=-1))))
+
+
+class CloverHeads(nn.Module):
+    """All of Clover's trainable parts. Head i drafts the token i+2 positions after the state's token."""
+
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.input_decoder = AttentionDecoder(config)
+        self.augment = nn.ModuleList(AugmentLayer(config) for _ in range(config.num_augment_layers))
+        self.augment_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.regressive = AttentionDecoder(config)
+        self.heads = nn.ModuleList(OutputHead(config) for _ in range(config.num_heads))
+        if config.draft_vocab_size is not None:
+            # Which base-vocabulary ids the heads draft from; filled by training (most frequent tokens).
+            self.register_buffer("draft_token_ids", torch.arange(config.draft_vocab_size), persistent=True)
+        else:
+            self.draft_token_ids = None
+
+    # -- features -------------------------------------------------------------------------------
+    def features(
+        self,
+        hidden: torch.Tensor,  # (B, T, H) base last hidden states at positions t
+        next_embeds: torch.Tensor,  # (B, T, H) embeddings of tokens t+1
+        positions: torch.Tensor,  # (B, T)
+        cache: AugmentCache | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, AugmentCache]:
+        """Augmenting Block over new positions; returns features (B, T, H) and the extended cache."""
+        x = self.input_decoder(hidden, next_embeds.to(hidden.dtype))
+        keys, values = [], []
+        for i, layer in enumerate(self.augment):
+            past = (cache.keys[i], cache.values[i]) if cache is not None and cache.length else None
+            x, (k, v) = layer(x, positions, past, attn_mask)
+            keys.append(k)
+            values.append(v)
+        return self.augment_norm(x), AugmentCache(keys, values)
+
+    def chain(self, features: torch.Tensor, token_embeds: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Teacher-forced head outputs for training: token_embeds[i] embeds the token at t+1+i.
+
+        Returns one (B, T, H) normed hidden per head; lm_head of head i's output predicts t+2+i.
+        """
+        outs, s = [], features
+        for i, head in enumerate(self.heads[: len(token_embeds)]):
+            e = token_embeds[i].to(features.dtype)
+            if i > 0:
+                s = self.regressive(s, e)
+            outs.append(head(s, e))
+        return outs
+
+    def draft_logits(
+        self, hidden: torch.Tensor, lm_weight: torch.Tensor, lm_bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return F.linear(hidden.to(lm_weight.dtype), lm_weight, lm_bias)
+
+    @torch.no_grad()
+    def draft(
+        self,
+        feature: torch.Tensor,  # (H,) features of the last accepted position
+        root: torch.Tensor,  # () the token that follows it (already chosen, not yet verified by the cache)
+        tree: "TreeBuffers",
+        embed: nn.Module,
+        lm_weight: torch.Tensor,  # (V', H): the lm_head rows of the draft vocabulary
+        lm_bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Draft the tree's tokens (num_nodes - 1,), one batched step per depth."""
+        states = feature.view(1, -1)
+        e = embed(root.view(1)).to(states.dtype)
+        drafted = []
+        for d, level in enumerate(tree.levels):
+            if d > 0:
+                states = self.regressive(states[level.parent_of_expanded], e)
+            logits = self.draft_logits(self.heads[d](states, e), lm_weight, lm_bias)
+            top = logits.topk(level.k, dim=-1).indices  # (n_expanded, k)
+            if self.draft_token_ids is not None:
+                top = self.draft_token_ids[top]
+            children = top[level.child_parent, level.child_rank]  # (n_level,)
+            drafted.append(children)
+            if level.next_expanded is not None:
+                e = embed(children[level.next_expanded]).to(states.dtype)
+        return torch.cat(drafted)
+
+    # -- initialisation ----------------------------------------------------------------------
+    @torch.no_grad()
+    def init_from_base(self, base_model: nn.Module) -> bool:
+        """Copy the base's last decoder layer into the Augmenting Block where names and shapes match.
+
+        Clover-2 initialises its Augmenting Block this way; returns whether anything was copied.
+        """
+        layers = _decoder_layers(base_model)
+        if layers is None:
+            return False
+        src = dict(layers[-1].named_parameters())
+        names = {
+            "input_layernorm.weight": "input_layernorm.weight",
+            "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+            "q_proj.weight": "self_attn.q_proj.weight",
+            "k_proj.weight": "self_attn.k_proj.weight",
+            "v_proj.weight": "self_attn.v_proj.weight",
+            "o_proj.weight": "self_attn.o_proj.weight",
+            "gate_proj.weight": "mlp.gate_proj.weight",
+            "up_proj.weight": "mlp.up_proj.weight",
+            "down_proj.weight": "mlp.down_proj.weight",
+        }
+        if str(getattr(base_model.config, "model_type", "")).startswith("gemma"):
+            # Gemma's RMSNorm scales by (1 + w): its weights do not transfer to ours.
+            names = {k: v for k, v in names.items() if "layernorm" not in k}
+        copied = False
+        for layer in self.augment:
+            own = dict(layer.named_parameters())
+            for ours, theirs in names.items():
+                if theirs in src and src[theirs].shape == own[ours].shape:
+                    own[ours].copy_(src[theirs])
+                    copied = True
+        return copied
+
+
+def _decoder_layers(base_model: nn.Module) -> nn.ModuleList | None:
+    inner = getattr(base_model, "model", None) or getattr(base_model, "transformer", None)
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(inner, name, None)
+        if isinstance(layers, nn.ModuleList) and len(layers):
+            return layers
+    return None
+

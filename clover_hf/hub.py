@@ -1,0 +1,107 @@
+"""Saving and loading heads: a local directory or a Hub repo holding `config.json` + `model.safetensors`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .config import CONFIG_NAME, WEIGHTS_NAME, CloverConfig
+from .heads import CloverHeads
+
+HEADS_FILES = [CONFIG_NAME, WEIGHTS_NAME, "README.md"]
+
+
+def is_heads_dir(path: str | Path) -> bool:
+    """Whether a local directory holds Clover heads (a config with model_type 'clover')."""
+    config = Path(path) / CONFIG_NAME
+    try:
+        return config.is_file() and '"clover"' in config.read_text()
+    except OSError:
+        return False
+
+
+def resolve_heads(path_or_repo: str | Path, revision: str | None = None, token: str | bool | None = None,
+                  cache_dir: str | Path | None = None) -> Path:
+    """Local directory of the heads: the path itself, or a download of the Hub repo's heads files."""
+    path = Path(path_or_repo)
+    if path.is_dir():
+        return path
+    repo_id = str(path_or_repo)
+    try:
+        local = snapshot_download(
+            repo_id, revision=revision, allow_patterns=HEADS_FILES, token=token, cache_dir=cache_dir
+        )
+    except LocalEntryNotFoundError as err:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in {"1", "true", "yes", "on"}
+        why = "HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached"
+        raise OSError(
+            f"Clover heads '{repo_id}' (revision {revision or 'main'}) are not in the local cache and {why}. "
+            "Download them once while online, or pass a local directory."
+        ) from err
+    except RepositoryNotFoundError as err:
+        raise OSError(
+            f"'{repo_id}' is neither a local directory nor a Hub repo you can access "
+            "(check the name, or log in with `hf auth login` / pass token=... for a private repo)."
+        ) from err
+    except RevisionNotFoundError as err:
+        raise OSError(f"revision '{revision}' does not exist in the Hub repo '{repo_id}'.") from err
+    except (EntryNotFoundError, HfHubHTTPError) as err:
+        raise OSError(f"could not download Clover heads '{repo_id}': {err}") from err
+    return Path(local)
+
+
+def save_heads(heads: CloverHeads, directory: str | Path, safe_serialization: bool = True) -> Path:
+    """Write config.json and model.safetensors (the heads' own weights only)."""
+    if not safe_serialization:
+        raise ValueError("Clover heads are saved as safetensors only (safe_serialization=True)")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    heads.config.save(directory)
+    state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
+    save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "library": "clover-hf"})
+    return directory
+
+
+def load_heads(directory: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> CloverHeads:
+    """Build heads from config.json and fill them from model.safetensors, checking every key and shape."""
+    directory = Path(directory)
+    config = CloverConfig.load(directory)
+    weights = directory / WEIGHTS_NAME
+    if not weights.is_file():
+        raise FileNotFoundError(f"no heads weights at {weights} (expected {WEIGHTS_NAME} next to {CONFIG_NAME})")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"{weights} is not a readable safetensors file: {err}") from None
+    heads = CloverHeads(config)
+    expected = heads.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"{weights} does not match {directory / CONFIG_NAME}: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    for name, tensor in state.items():
+        want = expected[name]
+        if tensor.shape != want.shape:
+            raise ValueError(f"{weights}: '{name}' has shape {tuple(tensor.shape)}, config implies {tuple(want.shape)}")
+        if tensor.dtype.is_floating_point != want.dtype.is_floating_point:
+            raise ValueError(f"{weights}: '{name}' has dtype {tensor.dtype}, expected a {want.dtype}-like tensor")
+    if heads.draft_token_ids is not None:
+        ids = state["draft_token_ids"]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size):
+            raise ValueError(f"{weights}: draft_token_ids fall outside the vocabulary of {config.vocab_size}")
+    heads.load_state_dict(state)
+    return heads.to(device=device, dtype=dtype) if dtype is not None else heads.to(device)

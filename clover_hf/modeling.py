@@ -1,0 +1,244 @@
+"""CloverForCausalLM: a frozen base causal LM plus Clover heads, generating through `generate`."""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub import HfApi
+from torch import nn
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers.generation.configuration_utils import GenerationMode
+
+from .config import CloverConfig
+from .decoding import GenerationStats, clover_generate
+from .heads import CloverHeads
+from .hub import is_heads_dir, load_heads, resolve_heads, save_heads
+
+# Architectures whose attention cannot take a tree mask, or whose state is not a KV cache.
+ALIBI_MODEL_TYPES = {"bloom", "mpt", "baichuan", "jais"}
+RECURRENT_MODEL_TYPES = {
+    "mamba", "mamba2", "falcon_mamba", "rwkv", "jamba", "zamba", "zamba2", "bamba", "recurrent_gemma",
+    "qwen3_next", "qwen3_5", "lfm2", "lfm2_moe", "granitemoehybrid", "nemotron_h", "falcon_h1", "xlstm",
+    "minimax", "plamo2", "olmo_hybrid", "kimi_linear",
+}
+
+
+def check_supported(base_config: Any) -> None:
+    """Raise ValueError for models that cannot verify a token tree in one forward."""
+    cfg = base_config.get_text_config() if hasattr(base_config, "get_text_config") else base_config
+    model_type = getattr(base_config, "model_type", "?")
+    if getattr(base_config, "is_encoder_decoder", False):
+        raise ValueError(f"Clover heads need a decoder-only causal LM; '{model_type}' is an encoder-decoder model.")
+    if model_type in ALIBI_MODEL_TYPES or getattr(cfg, "alibi", False) or getattr(cfg, "position_embedding_type", "") == "alibi":
+        raise ValueError(
+            f"'{model_type}' uses ALiBi position biases, which ignore the tree's explicit positions: "
+            "a tree forward would not match one-token decoding. Use a RoPE or learned-position model."
+        )
+    layer_types = set(getattr(cfg, "layer_types", None) or [])
+    odd = layer_types - {"full_attention", "sliding_attention", "chunked_attention"}
+    if model_type in RECURRENT_MODEL_TYPES or odd:
+        raise ValueError(
+            f"'{model_type}' has recurrent or linear-attention layers ({sorted(odd) or model_type}); their state "
+            "cannot be verified as a tree with an attention mask, so Clover cannot decode it exactly."
+        )
+
+
+def check_heads_match(config: CloverConfig, base_model: PreTrainedModel) -> None:
+    """Raise ValueError when heads were built for a different base."""
+    cfg = base_model.config.get_text_config()
+    vocab = base_model.get_output_embeddings().weight.shape[0]
+    if config.hidden_size != cfg.hidden_size:
+        raise ValueError(f"heads have hidden_size {config.hidden_size} but the base model has {cfg.hidden_size}")
+    if config.vocab_size != vocab:
+        raise ValueError(f"heads have vocab_size {config.vocab_size} but the base model's lm_head has {vocab} rows")
+    base_type = getattr(base_model.config, "model_type", None)
+    if config.base_model_type and base_type and config.base_model_type != base_type:
+        raise ValueError(
+            f"heads were trained for a '{config.base_model_type}' model "
+            f"({config.base_model_name_or_path}) but the base model is a '{base_type}'"
+        )
+    base_name = getattr(base_model.config, "_name_or_path", None)
+    if config.base_model_name_or_path and base_name and Path(base_name).name != Path(config.base_model_name_or_path).name:
+        warnings.warn(
+            f"heads were trained on '{config.base_model_name_or_path}' but are attached to '{base_name}'; "
+            "output stays exact, but drafts may be poor if the weights differ",
+            stacklevel=3,
+        )
+
+
+class CloverForCausalLM(nn.Module):
+    """A base causal LM with Clover draft heads. Attribute access falls through to the base (as PEFT does)."""
+
+    def __init__(self, base_model: PreTrainedModel, heads: CloverHeads) -> None:
+        super().__init__()
+        check_supported(base_model.config)
+        check_heads_match(heads.config, base_model)
+        self.base_model = base_model
+        self.clover_heads = heads
+        self.generation_stats: GenerationStats | None = None
+
+    @property
+    def clover_config(self) -> CloverConfig:
+        return self.clover_heads.config
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in {"base_model", "clover_heads"}:
+                raise
+            return getattr(self.base_model, name)
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def from_base(cls, base_model: PreTrainedModel, init_from_base: bool = True, **config_kwargs: Any) -> "CloverForCausalLM":
+        """Wrap a loaded base with freshly initialised heads (the starting point of training)."""
+        check_supported(base_model.config)
+        name = getattr(base_model.config, "_name_or_path", None) or None
+        config_kwargs.setdefault("base_model_name_or_path", name)
+        config = CloverConfig.for_base(base_model.config, **config_kwargs)
+        heads = CloverHeads(config)
+        if init_from_base:
+            heads.init_from_base(base_model)
+        heads.to(device=base_model.device, dtype=base_model.dtype)
+        return cls(base_model, heads)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str | Path,
+        base_model: str | Path | PreTrainedModel | None = None,
+        clover_heads: str | Path | None = None,
+        heads_revision: str | None = None,
+        token: str | bool | None = None,
+        cache_dir: str | Path | None = None,
+        **base_kwargs: Any,
+    ) -> "CloverForCausalLM":
+        """Load heads and their base.
+
+        `from_pretrained(heads)` loads the base named in the heads' config; `base_model=` overrides it
+        with a path, repo id or loaded model. `from_pretrained(base, clover_heads=heads)` works too.
+        `base_kwargs` (dtype, device_map, attn_implementation, revision, ...) go to the base's loader.
+        """
+        if clover_heads is not None:
+            if base_model is not None:
+                raise ValueError("pass the base either as the first argument or as base_model=, not both")
+            heads_ref, base_model = clover_heads, pretrained_model_name_or_path
+            revision = heads_revision
+        else:
+            heads_ref = pretrained_model_name_or_path
+            # A bare revision= belongs to the heads repo when the base comes from the heads' config.
+            revision = heads_revision or (base_kwargs.pop("revision", None) if base_model is None else None)
+        heads_dir = resolve_heads(heads_ref, revision=revision, token=token, cache_dir=cache_dir)
+        if not is_heads_dir(heads_dir):
+            raise ValueError(
+                f"'{heads_ref}' holds no Clover heads config ({heads_dir}/config.json with model_type 'clover'). "
+                "To load a base model with heads use from_pretrained(base, clover_heads=heads)."
+            )
+        config = CloverConfig.load(heads_dir)
+        if base_model is None:
+            if not config.base_model_name_or_path:
+                raise ValueError(f"{heads_dir}/config.json names no base model; pass base_model=...")
+            base_model = config.base_model_name_or_path
+            base_kwargs.setdefault("revision", config.base_revision)
+        if not isinstance(base_model, PreTrainedModel):
+            if token is not None:
+                base_kwargs.setdefault("token", token)
+            base_model = AutoModelForCausalLM.from_pretrained(base_model, **base_kwargs)
+        check_supported(base_model.config)
+        heads = load_heads(heads_dir, device=base_model.device, dtype=base_model.dtype)
+        return cls(base_model, heads)
+
+    # -- saving ------------------------------------------------------------------------------
+    def save_pretrained(self, save_directory: str | Path, **kwargs: Any) -> None:
+        """Write the heads only (config.json + model.safetensors); the base is referenced, not copied."""
+        save_heads(self.clover_heads, save_directory, safe_serialization=kwargs.get("safe_serialization", True))
+
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: str | None = None,
+        private: bool | None = None,
+        token: str | bool | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+    ) -> Any:
+        """Upload the heads to a Hub repo (created if needed); returns the commit info."""
+        api = HfApi(token=token)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp)
+            return api.upload_folder(
+                repo_id=repo_id,
+                folder_path=tmp,
+                commit_message=commit_message or "Upload Clover heads",
+                revision=revision,
+                create_pr=create_pr,
+            )
+
+    # -- running -----------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.base_model(*args, **kwargs)
+
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config: GenerationConfig | None = None,
+        tree: list[list[int]] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """`generate` of the base, with greedy decoding run by Clover. Same arguments, same output.
+
+        `tree` overrides the heads' draft tree for this call. Modes Clover does not run yet fall back
+        to the base's own `generate`, with a warning saying why.
+        """
+        reason = self._unsupported_reason(inputs, generation_config, kwargs)
+        if reason is not None:
+            warnings.warn(f"Clover decoding does not support {reason}; using the base model's generate.", stacklevel=2)
+            self.generation_stats = None
+            return self.base_model.generate(inputs, generation_config, **kwargs)
+        stats = GenerationStats()
+        streamer = kwargs.pop("streamer", None)
+        out = self.base_model.generate(
+            inputs,
+            generation_config,
+            streamer=streamer,
+            custom_generate=clover_generate,
+            clover_heads=self.clover_heads,
+            clover_tree=tree,
+            clover_streamer=streamer,
+            clover_stats=stats,
+            **kwargs,
+        )
+        self.generation_stats = stats
+        return out
+
+    def _unsupported_reason(self, inputs: Any, generation_config: GenerationConfig | None, kwargs: dict) -> str | None:
+        for key in ("assistant_model", "custom_generate", "past_key_values", "inputs_embeds", "prefix_allowed_tokens_fn"):
+            if kwargs.get(key) is not None:
+                return f"`{key}`"
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        if ids is None:
+            return "generation without input_ids"
+        if ids.dim() == 2 and ids.shape[0] != 1:
+            return f"batch size {ids.shape[0]} (yet)"
+        probe = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        config, _ = self.base_model._prepare_generation_config(copy.deepcopy(generation_config), **probe)
+        mode = config.get_generation_mode(kwargs.get("assistant_model"))
+        if mode != GenerationMode.GREEDY_SEARCH:
+            return f"{mode.value.replace('_', ' ')} (yet; greedy decoding only)"
+        if getattr(config, "dola_layers", None) is not None:
+            return "DoLa decoding"
+        if (config.num_return_sequences or 1) > 1:
+            return "num_return_sequences > 1"
+        if config.return_dict_in_generate and (config.output_attentions or config.output_hidden_states):
+            return "output_attentions / output_hidden_states"
+        if kwargs.get("cache_implementation") or config.cache_implementation not in (None, "dynamic"):
+            return f"cache_implementation={config.cache_implementation!r}"
+        return None

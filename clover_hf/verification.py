@@ -1,0 +1,99 @@
+"""Tree verification: the attention mask and positions of a tree forward, and greedy acceptance."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import LogitsProcessorList
+
+from .tree import TreeBuffers
+
+
+def additive_mask(
+    past_positions: torch.Tensor,  # (P,) position of each cached key; -1 for padding
+    new_positions: torch.Tensor,  # (N,) position of each new token
+    new_allowed: torch.Tensor,  # (N, N) bool: new token i may attend to new token j
+    dtype: torch.dtype,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Additive 4D mask (1, 1, N, P + N) in the model's dtype: 0 = attend, finfo.min = blocked."""
+    allowed_past = (past_positions >= 0)[None, :].expand(new_positions.shape[0], -1)
+    if sliding_window is not None:
+        allowed_past = allowed_past & (new_positions[:, None] - past_positions[None, :] < sliding_window)
+        new_allowed = new_allowed & (new_positions[:, None] - new_positions[None, :] < sliding_window)
+    allowed = torch.cat([allowed_past, new_allowed], dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+@dataclass(frozen=True)
+class MaskLayout:
+    """Which attention masks a model's forward expects (read from its config)."""
+
+    mapping: bool  # the model accepts {"full_attention": ..., "sliding_attention": ...}
+    sliding_window: int | None  # window of its sliding layers (or of all layers when not mapping)
+
+    @classmethod
+    def for_config(cls, config: Any) -> "MaskLayout":
+        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        window = getattr(cfg, "sliding_window", None)
+        layer_types = getattr(cfg, "layer_types", None) or []
+        if "sliding_attention" in layer_types and "full_attention" in layer_types:
+            return cls(mapping=True, sliding_window=window)
+        if layer_types and "sliding_attention" not in layer_types:
+            return cls(mapping=False, sliding_window=None)
+        return cls(mapping=False, sliding_window=window)
+
+    def build(
+        self, past_positions: torch.Tensor, new_positions: torch.Tensor, new_allowed: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The `attention_mask` argument for a forward of new tokens over a cache of past keys."""
+        if self.mapping:
+            return {
+                "full_attention": additive_mask(past_positions, new_positions, new_allowed, dtype),
+                "sliding_attention": additive_mask(
+                    past_positions, new_positions, new_allowed, dtype, self.sliding_window
+                ),
+            }
+        return additive_mask(past_positions, new_positions, new_allowed, dtype, self.sliding_window)
+
+
+def process_tree_logits(
+    logits: torch.Tensor,  # (N, V) float32 raw logits at each node
+    input_ids: torch.Tensor,  # (1, L) emitted tokens, the root last
+    tokens: torch.Tensor,  # (N,) node tokens, root first
+    tree: TreeBuffers,
+    logits_processor: LogitsProcessorList,
+) -> torch.Tensor:
+    """Apply the logits processors to every node with that node's own prefix (one call per depth)."""
+    if not logits_processor:
+        return logits
+    scores = torch.empty_like(logits)
+    for depth, (start, end) in enumerate(tree.depth_ranges):
+        n = end - start
+        path = tokens[tree.node_paths[start:end, :depth]]  # (n, depth) tokens below the root
+        ids = torch.cat([input_ids.expand(n, -1), path], dim=1)
+        scores[start:end] = logits_processor(ids, logits[start:end])
+    return scores
+
+
+def accept_greedy(
+    tokens: torch.Tensor, targets: torch.Tensor, tree: TreeBuffers
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Longest root-to-node path whose every token equals the base's choice at its parent.
+
+    tokens, targets: (N,) drafted token and base argmax at each node. Returns the accepted node
+    indices (root first) and the bonus token (the base's choice after the last accepted node).
+    """
+    paths = tree.retrieve  # (P, D+1)
+    valid = paths >= 0
+    safe = paths.clamp(min=0)
+    match = (tokens[safe[:, 1:]] == targets[safe[:, :-1]]) & valid[:, 1:]  # (P, D)
+    lengths = match.int().cumprod(dim=1).sum(dim=1)  # accepted nodes below the root per path
+    best = lengths.argmax()
+    n = int(lengths[best])  # the step's one host sync
+    nodes = safe[best, : n + 1]
+    return nodes, targets[nodes[-1]]

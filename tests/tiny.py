@@ -1,0 +1,91 @@
+"""Tiny random models, a byte-level tokenizer, and oracle heads for decoding tests."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+
+from clover_hf import CloverForCausalLM, CloverHeads
+
+VOCAB = 256  # one token per byte, so the byte tokenizer below fits every tiny model
+
+_COMMON = dict(bos_token_id=None, eos_token_id=None, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
+
+# model_type -> config kwargs. Mistral and Gemma3 get windows small enough to be exceeded in tests.
+ARCHS: dict[str, dict] = {
+    "llama": dict(_COMMON, intermediate_size=128, num_key_value_heads=2),
+    "mistral": dict(_COMMON, intermediate_size=128, num_key_value_heads=2, sliding_window=12),
+    "qwen2": dict(_COMMON, intermediate_size=128, num_key_value_heads=2),
+    "qwen3": dict(_COMMON, intermediate_size=128, num_key_value_heads=2, head_dim=16),
+    "gemma3_text": dict(
+        _COMMON, intermediate_size=128, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16,
+    ),
+    "phi3": dict(_COMMON, intermediate_size=128, num_key_value_heads=2, pad_token_id=0),
+    "gpt2": dict(bos_token_id=None, eos_token_id=None, vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=512),
+}
+
+
+def tiny_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    from transformers import AutoConfig
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **ARCHS[model_type])
+    config._attn_implementation = "sdpa"
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model.generation_config.pad_token_id = model.generation_config.pad_token_id or 0
+    return model
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A 256-token byte-level tokenizer built offline (no merges)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda c: pre_tokenizers.ByteLevel.alphabet().index(c))
+    vocab = {c: i for i, c in enumerate(sorted(byte_chars))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def prompt(seed: int = 1, length: int = 10) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (1, length), generator=g)
+
+
+class OracleHeads(CloverHeads):
+    """Heads that draft the reference continuation along one branch per step, so that long paths,
+    non-first branches, partial acceptance and bonus tokens are all exercised."""
+
+    def __init__(self, config, reference: torch.Tensor) -> None:
+        super().__init__(config)
+        self.reference = reference[0].tolist()
+        self.last_position = 0
+        self.step = 0
+
+    def features(self, hidden, next_embeds, positions, cache=None, attn_mask=None):
+        self.last_position = int(positions[0, -1])
+        return super().features(hidden, next_embeds, positions, cache, attn_mask)
+
+    def draft(self, feature, root, tree, embed, lm_weight, lm_bias):
+        leaves = [p for p in tree.paths if not any(q[: len(p)] == p and len(q) > len(p) for q in tree.paths)]
+        target = leaves[self.step % len(leaves)]
+        right_depth = 1 + (self.step % (len(target) + 1)) if self.step % 3 else len(target)
+        self.step += 1
+        root_pos = self.last_position + 1
+        out = []
+        for p in tree.paths:
+            want = root_pos + len(p)
+            truth = self.reference[want] if want < len(self.reference) else 0
+            on_branch = tuple(target[: len(p)]) == tuple(p) and len(p) <= right_depth
+            out.append(truth if on_branch else (truth + 1 + p[-1]) % VOCAB)
+        return torch.tensor(out, device=feature.device)
+
+
+def oracle_model(base: PreTrainedModel, reference: torch.Tensor, **config_kwargs) -> CloverForCausalLM:
+    clover = CloverForCausalLM.from_base(base, **config_kwargs)
+    heads = OracleHeads(clover.clover_config, reference)
+    heads.load_state_dict(clover.clover_heads.state_dict())
+    return CloverForCausalLM(base, heads)
