@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from huggingface_hub import HfApi
 from torch import nn
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.configuration_utils import GenerationMode
 
 from .config import CloverConfig
@@ -205,6 +206,7 @@ class CloverForCausalLM(nn.Module):
             return self.base_model.generate(inputs, generation_config, **kwargs)
         stats = GenerationStats()
         streamer = kwargs.pop("streamer", None)
+        generation_config = self._move_stop_strings(generation_config, kwargs)
         out = self.base_model.generate(
             inputs,
             generation_config,
@@ -218,6 +220,23 @@ class CloverForCausalLM(nn.Module):
         )
         self.generation_stats = stats
         return out
+
+    def _move_stop_strings(self, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig | None:
+        """Turn `stop_strings` into a stopping criterion: `generate` drops `tokenizer` for custom decoders."""
+        tokenizer = kwargs.pop("tokenizer", None)
+        stop = kwargs.pop("stop_strings", None)
+        in_config = (generation_config or self.base_model.generation_config).stop_strings
+        if not (stop or in_config):
+            return generation_config
+        if tokenizer is None:
+            raise ValueError("stop_strings need the model's tokenizer: pass tokenizer=... to generate")
+        criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+        criteria.append(StopStringCriteria(tokenizer, stop or in_config))
+        kwargs["stopping_criteria"] = criteria
+        if in_config:
+            generation_config = copy.deepcopy(generation_config or self.base_model.generation_config)
+            generation_config.stop_strings = None
+        return generation_config
 
     def _unsupported_reason(self, inputs: Any, generation_config: GenerationConfig | None, kwargs: dict) -> str | None:
         for key in ("assistant_model", "custom_generate", "past_key_values", "inputs_embeds", "prefix_allowed_tokens_fn"):

@@ -7,6 +7,7 @@ Use it with ``pytest_plugins = ["tests.conftest_hub"]`` in the root conftest, or
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ HUB_USER = "tester"
 # Env vars that could make huggingface_hub use another token, endpoint or cache than the fake Hub's.
 _CLEARED_ENV = ("HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE", "HF_OIDC_ID_TOKEN", "HF_HUB_DISABLE_IMPLICIT_TOKEN",
                 "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HUGGINGFACE_CO_STAGING", "HUGGINGFACE_HUB_CACHE",
-                "HUGGINGFACE_ASSETS_CACHE", "TRANSFORMERS_CACHE", "HF_DATASETS_CACHE", "XDG_CACHE_HOME")
+                "HUGGINGFACE_ASSETS_CACHE", "TRANSFORMERS_CACHE")
 
 
 def point_hf_at(url: str, token: str | None, home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -78,8 +79,16 @@ def point_hf_at(url: str, token: str | None, home: Path, monkeypatch: pytest.Mon
     for module in ("transformers.utils.hub", "transformers.utils", "transformers.dynamic_module_utils"):
         if hasattr(sys.modules.get(module), "HF_MODULES_CACHE"):
             monkeypatch.setattr(sys.modules[module], "HF_MODULES_CACHE", str(paths["HF_MODULES_CACHE"]))
-    # Fresh HTTP client: picks up the proxy env above and holds no pooled connections to other servers.
-    _http.close_session()
+    _reset_clients()
+
+
+def _reset_clients() -> None:
+    """Drop huggingface_hub's shared HTTP client (pooled connections, proxy env) and cached HfFileSystems."""
+    from huggingface_hub.utils import close_session
+
+    close_session()
+    if "huggingface_hub.hf_file_system" in sys.modules:
+        sys.modules["huggingface_hub.hf_file_system"].HfFileSystem.clear_instance_cache()
 
 
 def set_hf_offline(monkeypatch: pytest.MonkeyPatch, offline: bool = True) -> None:
@@ -91,13 +100,31 @@ def set_hf_offline(monkeypatch: pytest.MonkeyPatch, offline: bool = True) -> Non
 
 
 @pytest.fixture
+def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make any DNS lookup or connection to a non-loopback address fail loudly."""
+    local = ("127.0.0.1", "::1", "localhost")
+    real_connect, real_getaddrinfo = socket.socket.connect, socket.getaddrinfo
+
+    def connect(sock, address):
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and address[0] not in local:
+            raise RuntimeError(f"test tried to reach the network: {address}")
+        return real_connect(sock, address)
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host not in local and host is not None:
+            raise RuntimeError(f"test tried to resolve {host!r}")
+        return real_getaddrinfo(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+@pytest.fixture
 def hub_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[HubServer]:
     """A running fake Hub (``.url``, ``.token``, ``.user``, ``.requests``) that huggingface_hub points at."""
-    from huggingface_hub.utils import close_session
-
     with HubServer(token=HUB_TOKEN, user=HUB_USER, root=tmp_path / "fake_hub", max_lifetime=300) as server:
         point_hf_at(server.url, server.token, tmp_path / "hf_home", monkeypatch)
         try:
             yield server
         finally:
-            close_session()
+            _reset_clients()

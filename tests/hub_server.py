@@ -171,6 +171,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.query = parse_qs(split.query)
         self.hub.requests.append((method, split.path))
         try:
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > _MAX_BODY:
+                raise HubError(413, "Payload too large")
+            self.body = self.rfile.read(length) if length else b""  # read first: never leave a body unread
             self.authed = self._check_token()
             for verb, pattern, name in self.routes:
                 m = re.match(pattern, split.path)
@@ -179,10 +183,14 @@ class _Handler(BaseHTTPRequestHandler):
                     with self.hub._lock:
                         return getattr(self, "h_" + name)(**args)
             raise HubError(404, f"Unknown route: {method} {split.path}")
-        except HubError as e:
-            body = json.dumps({"error": e.message}).encode()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # client went away
+        except Exception as exc:  # malformed request or bug => 400, not 5xx: clients retry 5xx with backoff
+            e = exc if isinstance(exc, HubError) else HubError(400, f"Bad request ({type(exc).__name__}: {exc})")
+            msg = " ".join(e.message.encode("ascii", "replace").decode().split())[:300]
             code = {"X-Error-Code": e.code} if e.code else {}
-            self._send(e.status, body, {"X-Error-Message": e.message, **code, **e.headers})
+            headers = {"X-Error-Message": msg, **code, **e.headers}
+            self._send(e.status, json.dumps({"error": e.message}).encode(), headers)
 
     def _check_token(self) -> bool:
         auth = self.headers.get("Authorization", "")
@@ -190,12 +198,6 @@ class _Handler(BaseHTTPRequestHandler):
         if token is not None and self.hub.token is not None and token != self.hub.token:
             raise HubError(401, _INVALID_CREDS)
         return self.hub.token is None or token == self.hub.token
-
-    def _body(self) -> bytes:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > _MAX_BODY:
-            raise HubError(413, "Payload too large")
-        return self.rfile.read(length) if length else b""
 
     def _send(self, status: int, body: bytes, headers: dict | None = None, ctype="application/json") -> None:
         self.send_response(status)
@@ -221,6 +223,15 @@ class _Handler(BaseHTTPRequestHandler):
             raise HubError(404 if r is None or self.authed else 401, "Repository not found", "RepoNotFound")
         return rtype, r
 
+    def _files(self, t: str, repo: str, rev: str) -> tuple[_Repo, str, dict[str, str]]:
+        r = self._repo(t, repo)[1]
+        sha = r.resolve(rev)
+        return r, sha, r.commits[sha]["files"]
+
+    def _payload_key(self) -> tuple[str, str]:
+        payload = json.loads(self.body or b"{}")
+        return payload.get("type") or "model", f"{payload.get('organization') or self.hub.user}/{payload['name']}"
+
     def _file_entry(self, path: str, oid: str) -> dict:
         return {"type": "file", "oid": oid, "size": self.hub._size(oid), "path": path}
 
@@ -236,40 +247,32 @@ class _Handler(BaseHTTPRequestHandler):
 
     def h_create_repo(self) -> None:
         self._need_write()
-        payload = json.loads(self._body() or b"{}")
-        rtype = payload.get("type") or "model"
-        repo_id = f"{payload.get('organization') or self.hub.user}/{payload['name']}"
+        rtype, repo_id = self._payload_key()
         url = self.hub.repo_url(rtype, repo_id)
         if (rtype, repo_id) in self.hub.repos:
             return self._json({"error": "You already created this repo", "url": url}, 409)
-        repo = self.hub.repos[(rtype, repo_id)] = _Repo(private=payload.get("visibility") == "private")
+        repo = self.hub.repos[(rtype, repo_id)] = _Repo(json.loads(self.body).get("visibility") == "private")
         self.hub._commit(repo, "main", {".gitattributes": self.hub._put_blob(_GITATTRIBUTES)}, "initial commit")
         self._json({"url": url, "name": repo_id, "id": repo_id})
 
     def h_delete_repo(self) -> None:
         self._need_write()
-        payload = json.loads(self._body() or b"{}")
-        key = (payload.get("type") or "model", f"{payload.get('organization') or self.hub.user}/{payload['name']}")
-        if self.hub.repos.pop(key, None) is None:
+        if self.hub.repos.pop(self._payload_key(), None) is None:
             raise HubError(404, "Repository not found", "RepoNotFound")
         self._json({})
 
     def h_validate_yaml(self) -> None:
-        self._body()
         self._json({"errors": [], "warnings": []})
 
     def h_repo_info(self, t: str, repo: str, rev: str = "main") -> None:
-        rtype, r = self._repo(t, repo)
-        sha = r.resolve(rev)
-        files = r.commits[sha]["files"]
+        r, sha, files = self._files(t, repo, rev)
         self._json({"id": repo, "author": repo.split("/")[0], "sha": sha, "private": r.private, "gated": False,
                     "disabled": False, "lastModified": r.commits[sha]["date"], "createdAt": r.created, "tags": [],
                     "downloads": 0, "likes": 0, "siblings": [
                         {"rfilename": p, "size": self.hub._size(o), "blobId": o} for p, o in sorted(files.items())]})
 
     def h_tree(self, t: str, repo: str, rev: str, path: str = "") -> None:
-        _, r = self._repo(t, repo)
-        files = r.commits[r.resolve(rev)]["files"]
+        files = self._files(t, repo, rev)[2]
         recursive = self.query.get("recursive", ["false"])[0].lower() in ("1", "true")
         prefix = path.strip("/") + "/" if path.strip("/") else ""
         out: dict[str, dict] = {}
@@ -287,11 +290,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(sorted(out.values(), key=lambda e: (e["type"] != "directory", e["path"])))
 
     def h_paths_info(self, t: str, repo: str, rev: str) -> None:
-        _, r = self._repo(t, repo)
-        files = r.commits[r.resolve(rev)]["files"]
-        form = parse_qs(self._body().decode())
-        out = []
-        for p in form.get("paths", []):
+        files, out = self._files(t, repo, rev)[2], []
+        for p in parse_qs(self.body.decode()).get("paths", []):
             if p in files:
                 out.append(self._file_entry(p, files[p]))
             elif any(f.startswith(p.rstrip("/") + "/") for f in files):
@@ -315,11 +315,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def h_preupload(self, t: str, repo: str, rev: str) -> None:
         self._need_write()
-        _, r = self._repo(t, repo)
-        files = r.commits[r.resolve(rev)]["files"]
-        payload = json.loads(self._body() or b"{}")
+        files = self._files(t, repo, rev)[2]
         self._json({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False,
-                               "oid": files.get(f["path"])} for f in payload.get("files", [])]})
+                               "oid": files.get(f["path"])} for f in json.loads(self.body)["files"]]})
 
     def h_commit(self, t: str, repo: str, rev: str) -> None:
         self._need_write()
@@ -328,7 +326,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise HubError(400, "Pull requests are not supported by the fake Hub")
         if rev not in r.branches:
             raise HubError(404, f"Invalid rev id: {rev}", "RevisionNotFound")
-        lines = [json.loads(line) for line in self._body().splitlines() if line.strip()]
+        lines = [json.loads(line) for line in self.body.splitlines() if line.strip()]
         header = next((x["value"] for x in lines if x["key"] == "header"), {})
         head = r.branches[rev]
         if header.get("parentCommit") not in (None, head):

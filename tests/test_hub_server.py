@@ -38,8 +38,10 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from tests.conftest_hub import hub_server, set_hf_offline  # noqa: F401  (fixture)
+from tests.conftest_hub import hub_server, no_network, set_hf_offline  # noqa: F401  (fixtures)
 from tests.hub_server import HubServer, git_blob_oid
+
+pytestmark = pytest.mark.usefixtures("no_network")
 
 README = "---\nlicense: mit\ntags:\n- test\n---\n# Tiny repo\n"
 
@@ -223,6 +225,9 @@ def test_server_lifecycle(tmp_path):
         with pytest.raises(urllib.error.HTTPError) as exc:
             urllib.request.urlopen(server.url + "/api/nope", timeout=5)
         assert exc.value.code == 404
+        with pytest.raises(urllib.error.HTTPError) as exc:  # malformed body: a 4xx (clients retry 5xx)
+            urllib.request.urlopen(urllib.request.Request(server.url + "/api/repos/create", data=b"{"), timeout=5)
+        assert exc.value.code == 400 and "JSONDecodeError" in exc.value.headers["X-Error-Message"]
         root = server.root
     assert not root.exists()  # own temp dir removed
     with pytest.raises(urllib.error.URLError):

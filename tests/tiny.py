@@ -41,9 +41,11 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     """A 256-token byte-level tokenizer built offline (no merges)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_chars = sorted(alphabet, key=lambda c: pre_tokenizers.ByteLevel.alphabet().index(c))
-    vocab = {c: i for i, c in enumerate(sorted(byte_chars))}
+    # GPT-2's byte-to-character map, so that token id == byte value.
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    others = [b for b in range(256) if b not in printable]
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    vocab = {chars[b]: b for b in range(256)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -88,4 +90,5 @@ def oracle_model(base: PreTrainedModel, reference: torch.Tensor, **config_kwargs
     clover = CloverForCausalLM.from_base(base, **config_kwargs)
     heads = OracleHeads(clover.clover_config, reference)
     heads.load_state_dict(clover.clover_heads.state_dict())
+    heads.to(device=base.device, dtype=base.dtype)
     return CloverForCausalLM(base, heads)

@@ -1,0 +1,222 @@
+"""Greedy Clover output equals the base model's own `generate`, token for token, in fp32."""
+
+from __future__ import annotations
+
+import io
+import contextlib
+
+import pytest
+import torch
+from transformers import TextStreamer
+
+from clover_hf import CloverForCausalLM
+
+from .tiny import ARCHS, byte_tokenizer, oracle_model, prompt, tiny_model
+
+ALL = list(ARCHS)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool((a == b).all())
+
+
+@pytest.mark.parametrize("arch", ALL)
+def test_random_heads_match_base(arch):
+    base = tiny_model(arch)
+    clover = CloverForCausalLM.from_base(base)
+    for seed in (1, 2):
+        ids = prompt(seed)
+        ref = base.generate(ids, max_new_tokens=40, do_sample=False)
+        out = clover.generate(ids, max_new_tokens=40, do_sample=False)
+        assert _same(out, ref)
+        assert clover.generation_stats.new_tokens == 40
+        assert clover.generation_stats.steps >= 2
+
+
+@pytest.mark.parametrize("arch", ALL)
+def test_oracle_heads_accept_long_paths(arch):
+    """Heads that draft the right tokens: long paths, other branches, compaction, bonus tokens."""
+    base = tiny_model(arch)
+    ids = prompt(3, length=6)  # prompt + 60 tokens exceeds the Mistral/Gemma3 sliding windows
+    ref = base.generate(ids, max_new_tokens=60, do_sample=False)
+    clover = oracle_model(base, ref)
+    out = clover.generate(ids, max_new_tokens=60, do_sample=False)
+    assert _same(out, ref)
+    stats = clover.generation_stats
+    assert max(stats.accepted_lengths) == clover.clover_config.num_heads  # a full-depth path was accepted
+    assert 0 in stats.accepted_lengths or 1 in stats.accepted_lengths  # and short ones too
+    assert stats.tokens_per_step > 2.5
+
+
+def test_sliding_window_mask_matters():
+    """Without the window in the mask, Gemma3's sliding layers would see too much: the test would fail."""
+    from clover_hf import verification
+
+    base = tiny_model("gemma3_text")
+    ids = prompt(3, length=6)
+    ref = base.generate(ids, max_new_tokens=40, do_sample=False)
+    clover = oracle_model(base, ref)
+    original = verification.MaskLayout.for_config
+    try:
+        verification.MaskLayout.for_config = classmethod(lambda cls, cfg: cls(mapping=False, sliding_window=None))
+        broken = clover.generate(ids, max_new_tokens=40, do_sample=False)
+    finally:
+        verification.MaskLayout.for_config = original
+    assert not _same(broken, ref)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt2"])
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 5, 8, 13])
+def test_max_new_tokens_mid_path(arch, max_new_tokens):
+    base = tiny_model(arch)
+    ids = prompt(4)
+    long_ref = base.generate(ids, max_new_tokens=30, do_sample=False)
+    clover = oracle_model(base, long_ref)
+    out = clover.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    assert _same(out, long_ref[:, : ids.shape[1] + max_new_tokens])
+    assert clover.generation_stats.new_tokens == max_new_tokens
+
+
+def test_max_length():
+    base = tiny_model("llama")
+    ids = prompt(5)
+    ref = base.generate(ids, max_length=25, do_sample=False)
+    out = oracle_model(base, base.generate(ids, max_new_tokens=40, do_sample=False)).generate(
+        ids, max_length=25, do_sample=False
+    )
+    assert _same(out, ref) and out.shape[1] == 25
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
+def test_eos_inside_accepted_path(arch):
+    base = tiny_model(arch)
+    ids = prompt(6)
+    free = base.generate(ids, max_new_tokens=40, do_sample=False)
+    generated = free[0, ids.shape[1] :].tolist()
+    for k in (3, 6, 9):
+        eos = generated[k]
+        if eos in generated[:k]:
+            continue
+        for eos_arg in (eos, [VOCAB_UNUSED(generated), eos]):
+            ref = base.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=eos_arg)
+            clover = oracle_model(base, free)
+            out = clover.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=eos_arg)
+            assert _same(out, ref)
+            assert out[0, -1].item() == eos and out.shape[1] == ids.shape[1] + k + 1
+
+
+def VOCAB_UNUSED(tokens: list[int]) -> int:
+    return next(t for t in range(1, 256) if t not in tokens)
+
+
+def test_stop_strings():
+    base = tiny_model("qwen2")
+    tok = byte_tokenizer()
+    ids = prompt(7)
+    free = base.generate(ids, max_new_tokens=40, do_sample=False)
+    new = free[0, ids.shape[1] :].tolist()
+    k = next(i for i in range(5, len(new) - 1) if all(33 <= t <= 126 for t in new[i : i + 2]))
+    stop = tok.decode(new[k : k + 2])
+    ref = base.generate(ids, max_new_tokens=40, do_sample=False, stop_strings=[stop], tokenizer=tok)
+    out = oracle_model(base, free).generate(ids, max_new_tokens=40, do_sample=False, stop_strings=[stop], tokenizer=tok)
+    assert ref.shape[1] < free.shape[1]  # the stop string did stop generation early
+    assert _same(out, ref)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_text_streamer_prints_same_text(arch):
+    base = tiny_model(arch)
+    tok = byte_tokenizer()
+    ids = prompt(8)
+    free = base.generate(ids, max_new_tokens=30, do_sample=False)
+    clover = oracle_model(base, free)
+    printed = []
+    for model in (base, clover):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            model.generate(ids, max_new_tokens=30, do_sample=False, streamer=TextStreamer(tok, skip_prompt=True))
+        printed.append(buf.getvalue())
+    assert printed[0] == printed[1]
+    assert printed[0].strip()
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3_text"])
+@pytest.mark.parametrize(
+    "processors",
+    [dict(repetition_penalty=1.5), dict(no_repeat_ngram_size=2), dict(min_new_tokens=10, eos_token_id=7)],
+    ids=["repetition_penalty", "no_repeat_ngram", "min_new_tokens"],
+)
+def test_logits_processors_use_each_nodes_prefix(arch, processors):
+    base = tiny_model(arch)
+    ids = prompt(9)
+    ref = base.generate(ids, max_new_tokens=40, do_sample=False, **processors)
+    for clover in (CloverForCausalLM.from_base(base), oracle_model(base, ref)):
+        out = clover.generate(ids, max_new_tokens=40, do_sample=False, **processors)
+        assert _same(out, ref)
+
+
+def test_return_dict_scores_and_logits():
+    base = tiny_model("llama")
+    ids = prompt(10)
+    kw = dict(max_new_tokens=20, do_sample=False, return_dict_in_generate=True, output_scores=True,
+              output_logits=True, repetition_penalty=1.3)
+    ref = base.generate(ids, **kw)
+    out = oracle_model(base, ref.sequences).generate(ids, **kw)
+    assert _same(out.sequences, ref.sequences)
+    assert len(out.scores) == len(ref.scores) == 20
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert out.past_key_values.get_seq_length() == out.sequences.shape[1] - 1
+
+
+def test_attention_mask_with_left_padding():
+    base = tiny_model("llama")
+    ids = prompt(11)
+    ids[0, :3] = 0
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    ref = base.generate(ids, attention_mask=mask, max_new_tokens=25, do_sample=False)
+    out = oracle_model(base, ref).generate(ids, attention_mask=mask, max_new_tokens=25, do_sample=False)
+    assert _same(out, ref)
+    full = torch.ones_like(ids)
+    assert _same(
+        CloverForCausalLM.from_base(base).generate(ids, attention_mask=full, max_new_tokens=25, do_sample=False),
+        base.generate(ids, attention_mask=full, max_new_tokens=25, do_sample=False),
+    )
+
+
+@pytest.mark.parametrize("tree", [[[0]], [[0], [0, 0], [0, 0, 0]], [[0], [1], [2], [0, 0], [2, 0], [2, 0, 1]]])
+def test_tree_as_generate_argument(tree):
+    base = tiny_model("qwen3")
+    ids = prompt(12)
+    ref = base.generate(ids, max_new_tokens=30, do_sample=False)
+    clover = oracle_model(base, ref)
+    out = clover.generate(ids, max_new_tokens=30, do_sample=False, tree=tree)
+    assert _same(out, ref)
+    assert max(clover.generation_stats.accepted_lengths) == max(len(p) for p in tree)
+
+
+def test_generation_config_object_and_defaults():
+    base = tiny_model("llama")
+    base.generation_config.max_new_tokens = 12
+    base.generation_config.do_sample = False
+    ids = prompt(13)
+    clover = CloverForCausalLM.from_base(base)
+    assert _same(clover.generate(ids), base.generate(ids))
+    from transformers import GenerationConfig
+
+    gc = GenerationConfig(max_new_tokens=7, do_sample=False, repetition_penalty=1.2)
+    assert _same(clover.generate(ids, generation_config=gc), base.generate(ids, generation_config=gc))
+
+
+def test_fp64_and_bf16_run():
+    """fp64 is exact too; bf16 runs (its agreement with plain decoding is measured, not asserted)."""
+    base = tiny_model("llama", dtype=torch.float64)
+    ids = prompt(14)
+    ref = base.generate(ids, max_new_tokens=20, do_sample=False)
+    assert _same(oracle_model(base, ref).generate(ids, max_new_tokens=20, do_sample=False), ref)
+    bf16 = tiny_model("llama", dtype=torch.bfloat16)
+    out = CloverForCausalLM.from_base(bf16).generate(ids, max_new_tokens=20, do_sample=False)
+    assert out.shape == (1, ids.shape[1] + 20)
