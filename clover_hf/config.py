@@ -68,7 +68,9 @@ class CloverConfig:
     draft_vocab_size: int | None = field(
         default=None, metadata={"help": "Draft from this many frequent tokens only (None: full vocabulary)."}
     )
-    tree: list[list[int]] = field(default_factory=lambda: [list(p) for p in DEFAULT_TREE])
+    tree: list[list[int]] | None = field(
+        default=None, metadata={"help": "Draft tree in the Medusa path format (None: DEFAULT_TREE cut to num_heads)."}
+    )
     model_type: str = field(default="clover", metadata={"help": "Marks a Clover heads config."})
 
     def __post_init__(self) -> None:
@@ -92,6 +94,8 @@ class CloverConfig:
             raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
         if self.model_type != "clover":
             raise ValueError(f"not a Clover heads config (model_type={self.model_type!r}, expected 'clover')")
+        if self.tree is None:
+            self.tree = [list(p) for p in DEFAULT_TREE if len(p) <= self.num_heads]
         self.tree = validate_tree(self.tree, self.num_heads)
 
     @property

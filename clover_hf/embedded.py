@@ -133,3 +133,24 @@ def _convert(gguf_path: Path, out_dir: Path, dtype: torch.dtype) -> None:
     }
     # Written last: its presence marks a complete conversion.
     (out_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def shipped_heads_path() -> Path:
+    """Directory of the Clover heads for SmolLM2-135M-Instruct that ship inside this package."""
+    return Path(__file__).parent / "pretrained" / "smollm2-135m-instruct"
+
+
+def load_default(dtype: torch.dtype = torch.bfloat16, cache_dir: str | Path | None = None):
+    """The embedded SmolLM2-135M-Instruct with the shipped heads: returns (CloverForCausalLM, tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from .modeling import CloverForCausalLM
+
+    heads = shipped_heads_path()
+    if not (heads / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"no trained heads at {heads}; reinstall clover-hf, or train some with `clover-hf train`"
+        )
+    base_dir = base_model_path(dtype, cache_dir)
+    model = CloverForCausalLM.from_pretrained(heads, base_model=str(base_dir), dtype=dtype)
+    return model.eval(), AutoTokenizer.from_pretrained(base_dir)

@@ -175,16 +175,22 @@ class CloverHeads(nn.Module):
             values.append(v)
         return self.augment_norm(x), AugmentCache(keys, values)
 
-    def chain(self, features: torch.Tensor, token_embeds: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Teacher-forced head outputs for training: token_embeds[i] embeds the token at t+1+i.
+    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor) -> list[torch.Tensor]:
+        """Teacher-forced pass for training (a `forward`, so DDP syncs its gradients).
 
-        Returns one (B, T, H) normed hidden per head; lm_head of head i's output predicts t+2+i.
+        hidden: (B, T, H) base states at t; next_embeds: (B, T, H) embeddings of x_{t+1}.
+        Returns per head i a (B, T-1-i, H) normed hidden at t = 0..T-2-i whose logits predict x_{t+2+i}.
         """
-        outs, s = [], features
-        for i, head in enumerate(self.heads[: len(token_embeds)]):
-            e = token_embeds[i].to(features.dtype)
-            if i > 0:
-                s = self.regressive(s, e)
+        B, T, _ = hidden.shape
+        positions = torch.arange(T, device=hidden.device).expand(B, -1)
+        s, _ = self.features(hidden, next_embeds, positions)
+        outs = []
+        for i, head in enumerate(self.heads):
+            L = T - 1 - i
+            if L <= 0:
+                break
+            e = next_embeds[:, i : i + L].to(s.dtype)  # e(x_{t+1+i})
+            s = s[:, :L] if i == 0 else self.regressive(s[:, :L], e)
             outs.append(head(s, e))
         return outs
 

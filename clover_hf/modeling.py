@@ -41,7 +41,7 @@ def check_supported(base_config: Any) -> None:
             "a tree forward would not match one-token decoding. Use a RoPE or learned-position model."
         )
     layer_types = set(getattr(cfg, "layer_types", None) or [])
-    odd = layer_types - {"full_attention", "sliding_attention", "chunked_attention"}
+    odd = layer_types - {"full_attention", "sliding_attention"}
     if model_type in RECURRENT_MODEL_TYPES or odd:
         raise ValueError(
             f"'{model_type}' has recurrent or linear-attention layers ({sorted(odd) or model_type}); their state "
@@ -62,13 +62,6 @@ def check_heads_match(config: CloverConfig, base_model: PreTrainedModel) -> None
         raise ValueError(
             f"heads were trained for a '{config.base_model_type}' model "
             f"({config.base_model_name_or_path}) but the base model is a '{base_type}'"
-        )
-    base_name = getattr(base_model.config, "_name_or_path", None)
-    if config.base_model_name_or_path and base_name and Path(base_name).name != Path(config.base_model_name_or_path).name:
-        warnings.warn(
-            f"heads were trained on '{config.base_model_name_or_path}' but are attached to '{base_name}'; "
-            "output stays exact, but drafts may be poor if the weights differ",
-            stacklevel=3,
         )
 
 

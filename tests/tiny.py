@@ -92,3 +92,21 @@ def oracle_model(base: PreTrainedModel, reference: torch.Tensor, **config_kwargs
     heads.load_state_dict(clover.clover_heads.state_dict())
     heads.to(device=base.device, dtype=base.dtype)
     return CloverForCausalLM(base, heads)
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def save_tiny_base(directory, model_type: str = "llama") -> str:
+    """A tiny random base model with a byte tokenizer and a chat template, saved like a real one."""
+    model = tiny_model(model_type)
+    model.generation_config.eos_token_id = None
+    tok = byte_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    tok.pad_token = tok.convert_ids_to_tokens(0)
+    model.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return str(directory)

