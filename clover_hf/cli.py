@@ -9,6 +9,9 @@ Examples:
         --data chats.jsonl --output-dir runs/mine --max-steps 2000
 
     # an interrupted run resumes from its last checkpoint when started again with the same command
+
+    # speed on the embedded SmolLM2 with the shipped heads: plain generate vs Clover vs prompt lookup
+    clover-hf bench --dtype bfloat16 --limit 80 --max-new-tokens 128
 """
 
 from __future__ import annotations
@@ -50,6 +53,18 @@ def make_parser() -> argparse.ArgumentParser:
     _add_dataclass_args(train, DataConfig)
     _add_dataclass_args(train, TrainConfig)
     train.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="upload the trained heads to this repo")
+
+    bench = sub.add_parser("bench", help="tokens/s of plain generate, Clover and prompt lookup, side by side")
+    bench.add_argument("--heads", default=None, help="heads dir or repo (default: the shipped SmolLM2 heads)")
+    bench.add_argument("--base-model", default=None, help="base model (default: the heads' base, or embedded SmolLM2)")
+    bench.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    bench.add_argument("--prompts", default="mtbench", help="'mtbench' (first turns), a .jsonl or a text file")
+    bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--do-sample", action="store_true", help="sampling instead of greedy")
+    bench.add_argument("--no-prompt-lookup", action="store_true", help="skip HF prompt-lookup decoding")
+    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    bench.add_argument("--out-dir", default="runs/bench", help="where results.md, results.json and plot.png go")
     return parser
 
 
@@ -63,7 +78,47 @@ def main(argv: list[str] | None = None) -> int:
     if command == "train":
         push = args.pop("push_to_hub")
         train_heads(_pick(DataConfig, args), _pick(TrainConfig, args), push_to_hub=push)
+    elif command == "bench":
+        bench_command(**args)
     return 0
+
+
+def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_sample, no_prompt_lookup,
+                  threads, out_dir) -> None:
+    import json
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from . import bench, embedded
+    from .modeling import CloverForCausalLM
+
+    if threads:
+        torch.set_num_threads(threads)
+    torch_dtype = getattr(torch, dtype)
+    heads = heads or str(embedded.shipped_heads_path())
+    if base_model is None and heads == str(embedded.shipped_heads_path()):
+        base_model = str(embedded.base_model_path(torch_dtype))
+    model = CloverForCausalLM.from_pretrained(heads, base_model=base_model, dtype=torch_dtype).eval()
+    tokenizer = AutoTokenizer.from_pretrained(base_model or model.clover_config.base_model_name_or_path)
+    texts = bench.read_prompts(prompts, limit)
+    results = bench.run_benchmark(model, tokenizer, texts, max_new_tokens, do_sample, not no_prompt_lookup)
+    depth = model.clover_config.num_heads
+    table = bench.markdown_table(results, depth)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    base_mib = sum(p.numel() * p.element_size() for p in model.base_model.parameters()) / 2**20
+    heads_mib = sum(t.numel() * t.element_size() for t in model.clover_heads.state_dict().values()) / 2**20
+    summary = (f"{len(texts)} prompts ({prompts}), {max_new_tokens} new tokens, {dtype}, "
+               f"{'sampling' if do_sample else 'greedy'}, batch 1; machine: {bench.machine_description()}\n\n"
+               f"{table}\n\nweights: base {base_mib:.0f} MiB, heads {heads_mib:.1f} MiB "
+               f"({100 * heads_mib / base_mib:.1f}%); process peak RSS {bench.peak_rss_mib():.0f} MiB")
+    (out / "results.md").write_text(summary + "\n")
+    (out / "results.json").write_text(json.dumps({n: vars(r) for n, r in results.items()}, indent=1))
+    png = bench.plot(results, depth, out / "plot.png")
+    print(summary)
+    print(f"written: {out / 'results.md'}" + (f", {png}" if png else " (pip install matplotlib for the plot)"))
 
 
 if __name__ == "__main__":

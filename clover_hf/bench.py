@@ -1,0 +1,154 @@
+"""Speed benchmark: plain `generate`, Clover and prompt-lookup decoding, interleaved prompt by prompt.
+
+Every method runs on the same prompts in the same process, so ratios are measured side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .data import mtbench_questions
+
+
+@dataclass
+class MethodResult:
+    name: str
+    seconds: float = 0.0
+    new_tokens: int = 0
+    steps: int = 0
+    identical: int = 0
+    prompts: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.new_tokens / self.steps if self.steps else float("nan")
+
+    def acceptance_by_depth(self, max_depth: int) -> list[float]:
+        """Share of verify steps that accepted at least d drafted tokens, d = 1..max_depth."""
+        n = len(self.accepted_lengths)
+        return [sum(a >= d for a in self.accepted_lengths) / n if n else float("nan") for d in range(1, max_depth + 1)]
+
+
+def read_prompts(source: str | None, limit: int | None) -> list[str]:
+    """MT-Bench first turns by default; else a .jsonl ("prompt" or "turns") or a text file (one per line)."""
+    if source in (None, "mtbench"):
+        prompts = mtbench_questions(1)
+    else:
+        path = Path(source)
+        if path.suffix == ".jsonl":
+            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            prompts = [r["prompt"] if "prompt" in r else r["turns"][0] for r in rows]
+        else:
+            prompts = [line for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"no prompts in {source}")
+    return prompts[:limit] if limit else prompts
+
+
+def _timed(fn) -> tuple[torch.Tensor, float]:
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 128, do_sample: bool = False,
+                  prompt_lookup: bool = True, warmup: int = 1, log=print) -> dict[str, MethodResult]:
+    """Interleave the methods on each prompt; plain `generate` is the reference for identity and speed."""
+    base = model.base_model
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample)
+    methods = {
+        "plain generate": lambda ids: base.generate(ids, **kwargs),
+        "clover": lambda ids: model.generate(ids, **kwargs),
+    }
+    if prompt_lookup:
+        methods["prompt lookup (10)"] = lambda ids: base.generate(ids, prompt_lookup_num_tokens=10, **kwargs)
+    results = {name: MethodResult(name) for name in methods}
+    encoded = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=False).to(base.device)
+        for p in prompts
+    ]
+    for ids in encoded[:warmup]:
+        for fn in methods.values():
+            fn(ids)
+    for k, ids in enumerate(encoded):
+        reference = None
+        for name, fn in methods.items():
+            torch.manual_seed(k)
+            out, seconds = _timed(lambda: fn(ids))
+            r = results[name]
+            r.seconds += seconds
+            new = out.shape[1] - ids.shape[1]
+            r.new_tokens += new
+            r.prompts += 1
+            if name == "clover" and model.generation_stats is not None:
+                r.steps += model.generation_stats.steps
+                r.accepted_lengths += model.generation_stats.accepted_lengths
+            elif name == "plain generate":
+                r.steps += new
+            if reference is None:
+                reference = out
+            r.identical += int(out.shape == reference.shape and bool((out == reference).all()))
+        log(f"[{k + 1}/{len(encoded)}] " + "  ".join(
+            f"{n}: {r.tokens_per_second:.1f} tok/s" for n, r in results.items()))
+    return results
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def markdown_table(results: dict[str, MethodResult], max_depth: int) -> str:
+    plain = results["plain generate"]
+    head = ["method", "tokens/s", "x plain", "tokens/step", "identical to plain"]
+    head += [f"accept d{d}" for d in range(1, max_depth + 1)]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results.values():
+        acc = r.acceptance_by_depth(max_depth) if r.accepted_lengths else [float("nan")] * max_depth
+        cells = [r.name, f"{r.tokens_per_second:.1f}", f"{r.tokens_per_second / plain.tokens_per_second:.2f}",
+                 f"{r.tokens_per_step:.2f}" if r.steps else "-", f"{r.identical}/{r.prompts}"]
+        cells += ["-" if a != a else f"{a:.2f}" for a in acc]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def plot(results: dict[str, MethodResult], max_depth: int, path: str | Path) -> Path | None:
+    """Speedup bars and the accepted-length histogram as a PNG (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    plain = results["plain generate"].tokens_per_second
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    names = list(results)
+    a.bar(names, [results[n].tokens_per_second / plain for n in names], color=["#999", "#2a7", "#57c"][: len(names)])
+    a.axhline(1.0, color="k", lw=0.8)
+    a.set_ylabel("speedup over plain generate")
+    lengths = results["clover"].accepted_lengths
+    b.hist(lengths, bins=range(max_depth + 2), align="left", rwidth=0.8, color="#2a7")
+    b.set_xlabel("drafted tokens accepted per step")
+    b.set_ylabel("steps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return Path(path)
+
+
+def machine_description() -> str:
+    cores = torch.get_num_threads()
+    return f"{platform.processor() or platform.machine()}, {cores} threads, torch {torch.__version__}, {platform.platform()}"
