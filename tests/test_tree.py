@@ -72,3 +72,16 @@ def test_additive_mask_prefix_tree_and_window():
     w = additive_mask(past, pos, t.ancestors, torch.bfloat16, sliding_window=3)[0, 0] < 0
     # node 6 sits at position 7: with a window of 3 it sees positions 5..7 only: [0], [0,0] and itself
     assert w[6, :5].all() and w[6].tolist()[5:] == [True, False, True, False, True, True, False]
+
+
+def test_tree_from_accuracies_prefers_likely_paths():
+    from clover_hf.tree import expected_accepted, tree_from_accuracies
+
+    ranks = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
+    tree = tree_from_accuracies(ranks, 5)
+    assert tree == [[0], [1], [0, 0], [0, 1], [0, 0, 0]]  # chances .6 .2 .3 .12 .12 beat [2]=.1
+    build_tree(tree)  # closed under prefixes
+    assert expected_accepted(tree, ranks) == pytest.approx(0.6 + 0.2 + 0.3 + 0.12 + 0.12)
+    bigger = tree_from_accuracies(ranks, 12)
+    assert expected_accepted(bigger, ranks) > expected_accepted(tree, ranks)
+    assert len(bigger) == 12 and all(p[:-1] in bigger or len(p) == 1 for p in bigger)

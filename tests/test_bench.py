@@ -1,0 +1,33 @@
+"""The benchmark harness on a tiny model: every method runs on every prompt, and the table adds up."""
+
+from __future__ import annotations
+
+from clover_hf import CloverForCausalLM
+from clover_hf.bench import markdown_table, read_prompts, run_benchmark
+
+from .tiny import CHAT_TEMPLATE, byte_tokenizer, tiny_model
+
+
+def test_run_benchmark_interleaves_methods(tmp_path):
+    base = tiny_model("llama")
+    tok = byte_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    clover = CloverForCausalLM.from_base(base)
+    prompts = ["hello", "a longer prompt here"]
+    results = run_benchmark(clover, tok, prompts, max_new_tokens=12, warmup=1, log=lambda *_: None)
+    assert list(results) == ["plain generate", "clover", "prompt lookup (10)"]
+    for r in results.values():
+        assert r.prompts == 2 and r.new_tokens == 24 and r.seconds > 0
+    assert results["clover"].identical == 2  # greedy fp32: same tokens as plain generate
+    assert results["clover"].steps >= 2 and len(results["clover"].accepted_lengths) > 0
+    table = markdown_table(results, clover.clover_config.num_heads)
+    assert table.count("\n") == 4 and "| clover |" in table and "2/2" in table
+
+
+def test_read_prompts_sources(tmp_path):
+    assert len(read_prompts("mtbench", None)) == 80
+    assert len(read_prompts(None, 5)) == 5
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"turns": ["b", "c"]}\n')
+    assert read_prompts(str(tmp_path / "p.jsonl"), None) == ["a", "b"]
+    (tmp_path / "p.txt").write_text("x\n\ny\n")
+    assert read_prompts(str(tmp_path / "p.txt"), None) == ["x", "y"]
