@@ -48,10 +48,10 @@ def self_distill(
     path = Path(path)
     done: dict[int, Conversation] = {}
     if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                done[record["index"]] = record["messages"]
+        records = read_distilled(path)
+        done = {record["index"]: record["messages"] for record in records}
+        if not path.read_bytes().endswith(b"\n"):  # drop the line an interruption cut short
+            path.write_text("".join(json.dumps(r) + "\n" for r in records))
     todo = [i for i in range(rank, len(prompts), world_size) if i not in done]
     encoded = {
         i: tokenizer.apply_chat_template(prompts[i], add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -84,6 +84,19 @@ def self_distill(
             bar.update(len(batch))
     bar.close()
     return [done[i] for i in sorted(done)]
+
+
+def read_distilled(path: str | Path) -> list[dict]:
+    """Records of a self-distillation file; a last line cut short by an interruption is dropped."""
+    lines = [line for line in Path(path).read_text().splitlines() if line.strip()]
+    records = []
+    for n, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if n != len(lines) - 1:
+                raise ValueError(f"{path}:{n + 1} is not valid JSON; delete the file to regenerate") from None
+    return records
 
 
 def tokenize_record(record: Record, tokenizer, max_length: int) -> Example | None:

@@ -13,7 +13,7 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .data import Record, load_records, sharegpt_conversations
-from .features import FeatureSet, cache_features, first_prompt, self_distill, tokenize_record
+from .features import FeatureSet, cache_features, first_prompt, read_distilled, self_distill, tokenize_record
 from .modeling import CloverForCausalLM, check_supported
 from .config import validate_tree
 from .tree import expected_accepted, tree_from_accuracies
@@ -90,7 +90,7 @@ def prepare_features(data: DataConfig, out: Path, accelerator: Accelerator, log=
         accelerator.wait_for_everyone()
         records = []
         for path in sorted(out.glob(f"selfdistill-r*-w{world}.jsonl")):
-            records += [json.loads(line)["messages"] for line in path.read_text().splitlines() if line.strip()]
+            records += [r["messages"] for r in read_distilled(path)]
     examples = [ex for r in records if (ex := tokenize_record(r, tokenizer, data.max_length)) is not None]
     if not examples:
         raise ValueError("no example has trainable (assistant) tokens after tokenization")

@@ -40,7 +40,7 @@ def test_save_load_round_trip_writes_heads_only(base, tmp_path):
         for p in clover.clover_heads.parameters():
             p.add_(torch.randn_like(p) * 0.02)
     clover.save_pretrained(tmp_path / "heads")
-    assert sorted(f.name for f in (tmp_path / "heads").iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(f.name for f in (tmp_path / "heads").iterdir()) == ["README.md", "config.json", "model.safetensors"]
     state = load_file(tmp_path / "heads" / "model.safetensors")
     assert not any(k.startswith(("model.", "lm_head", "transformer.")) for k in state)
     assert sum(t.numel() for t in state.values()) == sum(p.numel() for p in clover.clover_heads.parameters())

@@ -179,3 +179,18 @@ def test_too_long_sequences_and_unsupported_base_fail_early(tiny_base, tmp_path)
     AutoModelForCausalLM.from_config(AutoConfig.for_model("bloom", vocab_size=64, hidden_size=32, n_layer=1, n_head=2)).save_pretrained(bloom)
     with pytest.raises(ValueError, match="ALiBi"):
         cli_main(_args(str(bloom), data, tmp_path / "o2"))
+
+
+def test_self_distill_file_cut_short_is_repaired(tiny_base, tmp_path):
+    from transformers import AutoTokenizer
+
+    from clover_hf.features import read_distilled, self_distill
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_base)
+    tok = AutoTokenizer.from_pretrained(tiny_base)
+    prompts = [[{"role": "user", "content": f"q{i}"}] for i in range(4)]
+    path = tmp_path / "d.jsonl"
+    self_distill(base, tok, prompts[:2], path, max_new_tokens=4, batch_size=2)
+    path.write_text(path.read_text() + '{"index": 2, "messa')  # killed mid-write
+    out = self_distill(base, tok, prompts, path, max_new_tokens=4, batch_size=2)
+    assert len(out) == 4 and sorted(r["index"] for r in read_distilled(path)) == [0, 1, 2, 3]
