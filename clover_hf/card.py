@@ -193,7 +193,7 @@ def _training_facts(metrics: dict[str, Any], training: dict[str, Any]) -> list[s
         facts.append(line)
     steps = training.get("steps", train_cfg.get("max_steps"))
     if steps:
-        line = f"- Steps: {steps:,} optimizer steps"
+        line = f"- Steps: {steps:,} optimizer steps" if isinstance(steps, int) else f"- Steps: {steps} optimizer steps"
         batch = training.get("batch_size", train_cfg.get("batch_size"))
         if batch:
             line += f" of {batch} sequences"

@@ -52,7 +52,7 @@ def resolve_heads(path_or_repo: str | Path, revision: str | None = None, token: 
     except HFValidationError:
         raise OSError(f"'{repo_id}' is neither a local directory nor a valid Hub repo id ('org/name').") from None
     except IncompleteSnapshotError as err:
-        raise OSError(f"{where}: the cached copy is incomplete and the Hub could not be reached. {err}") from None
+        raise OSError(f"{where}: the cached copy is incomplete and cannot be completed now. {err}") from None
     except LocalEntryNotFoundError as err:
         if constants.is_offline_mode() or isinstance(err.__cause__, OfflineModeIsEnabled):
             # The message says everything: no traceback of the HTTP layer that was never called.

@@ -75,6 +75,10 @@ def point_hf_at(url: str, token: str | None, home: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(hf_api.api, "endpoint", url)
     # Origins the auth header may be forwarded to when following redirects.
     monkeypatch.setattr(_http, "_HUB_ORIGINS", _http._HUB_ORIGINS | {_http._url_origin(url)})
+    # transformers keeps one HfApi bound to the endpoint of its first use: make it build a new one.
+    hub_module = sys.modules.get("transformers.utils.hub")
+    if hub_module is not None and hasattr(hub_module, "_hf_api"):
+        monkeypatch.setattr(hub_module, "_hf_api", None)
     # transformers caches its remote-code folder at import time.
     for module in ("transformers.utils.hub", "transformers.utils", "transformers.dynamic_module_utils"):
         if hasattr(sys.modules.get(module), "HF_MODULES_CACHE"):

@@ -23,6 +23,15 @@ from .tiny import prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("no_network")
 
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The models here are tiny: a second intra-op thread only adds waiting (100x on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE_REPO, HEADS_REPO = "org/tiny-base", "org/tiny-heads"
 HEADS_FILES = [".gitattributes", "README.md", "config.json", "model.safetensors"]
@@ -75,7 +84,7 @@ def forbid_pickle(monkeypatch) -> None:
     monkeypatch.setattr(pickle, "loads", refuse)
 
 
-def test_push_then_load_by_name_generates_the_same(hub_server, monkeypatch):
+def test_push_then_load_by_name_generates_the_same(hub_server):
     base = push_base()
     clover = heads_for(base, seed=0)
     ids = prompt(2)
@@ -87,10 +96,10 @@ def test_push_then_load_by_name_generates_the_same(hub_server, monkeypatch):
     # Loading resolves the base from the heads' config, runs no remote code and unpickles nothing.
     import transformers.dynamic_module_utils as dynamic
 
-    monkeypatch.setattr(dynamic, "get_class_from_dynamic_module", lambda *a, **k: pytest.fail("remote code"))
-    forbid_pickle(monkeypatch)
-    loaded = CloverForCausalLM.from_pretrained(HEADS_REPO)
-    monkeypatch.undo()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dynamic, "get_class_from_dynamic_module", lambda *a, **k: pytest.fail("remote code"))
+        forbid_pickle(patch)
+        loaded = CloverForCausalLM.from_pretrained(HEADS_REPO)
 
     assert loaded.base_model.config._name_or_path == BASE_REPO
     for name, tensor in base.state_dict().items():
@@ -259,3 +268,8 @@ def test_card_for_a_local_base_names_no_hub_model(tmp_path):
     # A local conversion of a Hub model (clover_hf.embedded) is published under its source's id.
     (base_dir / "clover_hf_conversion.json").write_text('{"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct"}')
     assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in render_model_card(config).split("---")[1]
+
+
+def test_a_missing_local_directory_is_not_sent_to_the_hub(tmp_path):
+    with pytest.raises(OSError, match="neither a local directory nor a valid Hub repo id"):
+        CloverForCausalLM.from_pretrained(str(tmp_path / "no" / "such-heads"))
