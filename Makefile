@@ -25,6 +25,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
+	$(PY) -m pip install -q -e ".[bench]"
 	$(VENV)/bin/clover-hf bench
 
 clean:

@@ -31,3 +31,21 @@ def test_read_prompts_sources(tmp_path):
     assert read_prompts(str(tmp_path / "p.jsonl"), None) == ["a", "b"]
     (tmp_path / "p.txt").write_text("x\n\ny\n")
     assert read_prompts(str(tmp_path / "p.txt"), None) == ["x", "y"]
+
+
+def test_bench_command_writes_results(tmp_path):
+    from clover_hf.cli import main
+
+    from .tiny import save_tiny_base
+
+    base_dir = save_tiny_base(tmp_path / "base")
+    from transformers import AutoModelForCausalLM
+
+    CloverForCausalLM.from_base(AutoModelForCausalLM.from_pretrained(base_dir)).save_pretrained(tmp_path / "heads")
+    (tmp_path / "p.txt").write_text("first prompt\nsecond prompt\n")
+    out = tmp_path / "out"
+    main(["bench", "--heads", str(tmp_path / "heads"), "--base-model", base_dir, "--dtype", "float32",
+          "--prompts", str(tmp_path / "p.txt"), "--max-new-tokens", "8", "--out-dir", str(out)])
+    text = (out / "results.md").read_text()
+    assert "2 prompts" in text and "| clover |" in text and "2/2" in text
+    assert (out / "results.json").is_file()

@@ -1,0 +1,42 @@
+"""Copy trained SmolLM2 heads into the package (bf16, named for the Hub base, with a model card).
+
+    python examples/package_heads.py runs/smol-data/heads [--benchmark runs/bench/results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from clover_hf.card import write_model_card
+from clover_hf.embedded import DEFAULT_BASE_NAME, shipped_heads_path
+from clover_hf.hub import load_heads, save_heads
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("heads", type=Path, help="the trainer's OUTPUT_DIR/heads")
+    parser.add_argument("--benchmark", type=Path, default=None, help="a JSON with tokens_per_step/speedup/prompts")
+    args = parser.parse_args()
+    heads = load_heads(args.heads, dtype=torch.bfloat16)
+    heads.config.base_model_name_or_path = DEFAULT_BASE_NAME
+    heads.config.base_revision = None
+    metrics = json.loads((args.heads / "training_metrics.json").read_text())
+    metrics.get("data_config", {})["base_model"] = DEFAULT_BASE_NAME
+    if args.benchmark:
+        metrics["benchmark"] = json.loads(args.benchmark.read_text())
+    target = shipped_heads_path()
+    if target.exists():
+        shutil.rmtree(target)
+    save_heads(heads, target)
+    (target / "training_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    write_model_card(target, heads.config, metrics, license="apache-2.0")
+    print(f"packaged into {target}: " + ", ".join(sorted(p.name for p in target.iterdir())))
+
+
+if __name__ == "__main__":
+    main()
