@@ -26,6 +26,7 @@ class MethodResult:
     identical: int = 0
     prompts: int = 0
     accepted_lengths: list[int] = field(default_factory=list)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
@@ -64,13 +65,16 @@ def _timed(fn) -> tuple[torch.Tensor, float]:
 
 
 def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 128, do_sample: bool = False,
-                  prompt_lookup: bool = True, warmup: int = 1, log=print) -> dict[str, MethodResult]:
-    """Interleave the methods on each prompt; plain `generate` is the reference for identity and speed."""
+                  prompt_lookup: bool = True, warmup: int = 1, profile: bool = True, log=print) -> dict[str, MethodResult]:
+    """Interleave the methods on each prompt; plain `generate` is the reference for identity and speed.
+
+    `profile` times Clover's stages (it syncs the device at each stage, so it is free only on CPU).
+    """
     base = model.base_model
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample)
     methods = {
         "plain generate": lambda ids: base.generate(ids, **kwargs),
-        "clover": lambda ids: model.generate(ids, **kwargs),
+        "clover": lambda ids: model.generate(ids, clover_profile=profile, **kwargs),
     }
     if prompt_lookup:
         methods["prompt lookup (10)"] = lambda ids: base.generate(ids, prompt_lookup_num_tokens=10, **kwargs)
@@ -96,6 +100,8 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
             if name == "clover" and model.generation_stats is not None:
                 r.steps += model.generation_stats.steps
                 r.accepted_lengths += model.generation_stats.accepted_lengths
+                for stage, sec in model.generation_stats.stage_seconds.items():
+                    r.stage_seconds[stage] = r.stage_seconds.get(stage, 0.0) + sec
             elif name == "plain generate":
                 r.steps += new
             if reference is None:
@@ -122,6 +128,18 @@ def markdown_table(results: dict[str, MethodResult], max_depth: int) -> str:
         cells += ["-" if a != a else f"{a:.2f}" for a in acc]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def step_breakdown(result: MethodResult) -> str:
+    """Mean milliseconds per verify step by stage, and how much of a step the verify forward is."""
+    steps = len(result.accepted_lengths)
+    if not steps or not result.stage_seconds:
+        return ""
+    total = sum(result.stage_seconds.values())
+    parts = ", ".join(f"{k} {1000 * v / steps:.1f} ms" for k, v in result.stage_seconds.items())
+    verify = result.stage_seconds.get("verify forward", 0.0)
+    return (f"Clover step: {1000 * total / steps:.1f} ms ({parts}); the verify forward is "
+            f"{100 * verify / total:.0f}% of a step, so a step costs {total / verify:.2f}x one verify forward")
 
 
 def plot(results: dict[str, MethodResult], max_depth: int, path: str | Path) -> Path | None:

@@ -113,7 +113,8 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
     summary = (f"{len(texts)} prompts ({prompts}), {max_new_tokens} new tokens, {dtype}, "
                f"{'sampling' if do_sample else 'greedy'}, batch 1; machine: {bench.machine_description()}\n\n"
                f"{table}\n\nweights: base {base_mib:.0f} MiB, heads {heads_mib:.1f} MiB "
-               f"({100 * heads_mib / base_mib:.1f}%); process peak RSS {bench.peak_rss_mib():.0f} MiB")
+               f"({100 * heads_mib / base_mib:.1f}%); process peak RSS {bench.peak_rss_mib():.0f} MiB\n\n"
+               f"{bench.step_breakdown(results['clover'])}")
     (out / "results.md").write_text(summary + "\n")
     (out / "results.json").write_text(json.dumps({n: vars(r) for n, r in results.items()}, indent=1))
     png = bench.plot(results, depth, out / "plot.png")

@@ -6,6 +6,7 @@ matching path plus a bonus token -> compact the base cache -> feed the accepted 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -25,10 +26,28 @@ class GenerationStats:
     steps: int = 0
     new_tokens: int = 0
     accepted_lengths: list[int] = field(default_factory=list)  # drafted tokens accepted per verify step
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # filled when profiling
 
     @property
     def tokens_per_step(self) -> float:
         return self.new_tokens / self.steps if self.steps else 0.0
+
+
+class _Clock:
+    """Wall time per decode stage. Only when profiling: it syncs the device at every lap."""
+
+    def __init__(self, totals: dict[str, float] | None, device: torch.device) -> None:
+        self.totals, self.device = totals, device
+        self.last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        if self.totals is None:
+            return
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
+        now = time.perf_counter()
+        self.totals[stage] = self.totals.get(stage, 0.0) + now - self.last
+        self.last = now
 
 
 @dataclass
@@ -87,11 +106,13 @@ def clover_generate(
     clover_tree: list[list[int]] | None = None,
     clover_streamer: object | None = None,
     clover_stats: GenerationStats | None = None,
+    clover_profile: bool = False,
     **model_kwargs,
 ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
     """Greedy Clover decoding for one sequence; the signature is transformers' `custom_generate` contract.
 
     `generate` does not hand its `streamer` to custom callables, so it arrives as `clover_streamer`.
+    `clover_profile=True` records wall time per stage in `stats.stage_seconds`.
     """
     if clover_heads is None:
         raise ValueError("clover_generate needs clover_heads=CloverHeads(...)")
@@ -146,17 +167,21 @@ def clover_generate(
         )
         feature = features[0, -1]
 
+    clock = _Clock(stats.stage_seconds if clover_profile else None, device)
     while not finished:
         # Draft, then verify the whole tree in one forward over the cache.
         tokens = torch.cat([root.view(1), heads.draft(feature, root, tree, embed, lm_weight, lm_bias)])
+        clock.lap("draft")
         past_len = positions.shape[0]
         node_pos = next_pos + tree.depths
         mask = layout.build(positions, node_pos, tree.ancestors, dtype)
         logits, hidden = _base_forward(model, tokens[None], mask, node_pos, cache)
         stats.steps += 1
+        clock.lap("verify forward")
         scores = process_tree_logits(logits, emitter.input_ids, tokens, tree, logits_processor)
         nodes, bonus = accept_greedy(tokens, scores.argmax(-1), tree)
         stats.accepted_lengths.append(nodes.shape[0] - 1)
+        clock.lap("accept")
 
         # Emit the accepted drafts and the bonus token; each was scored at its parent node.
         new = torch.cat([tokens[nodes[1:]], bonus.view(1)])
@@ -166,11 +191,13 @@ def clover_generate(
         positions = torch.cat([positions, node_pos[kept]])
         next_pos = next_pos + n
         root = bonus
+        clock.lap("emit + compact")
         if not finished:
             features, aug_cache = heads.features(
                 hidden[nodes][None], embed(new)[None], node_pos[nodes][None], cache=aug_cache
             )
             feature = features[0, -1]
+            clock.lap("augment")
 
     if streamer is not None:
         streamer.end()

@@ -220,3 +220,16 @@ def test_fp64_and_bf16_run():
     bf16 = tiny_model("llama", dtype=torch.bfloat16)
     out = CloverForCausalLM.from_base(bf16).generate(ids, max_new_tokens=20, do_sample=False)
     assert out.shape == (1, ids.shape[1] + 20)
+
+
+def test_profile_records_stage_times():
+    base = tiny_model("llama")
+    ids = prompt(15)
+    clover = CloverForCausalLM.from_base(base)
+    out = clover.generate(ids, max_new_tokens=10, do_sample=False, clover_profile=True)
+    assert _same(out, base.generate(ids, max_new_tokens=10, do_sample=False))
+    stages = clover.generation_stats.stage_seconds
+    assert {"draft", "verify forward", "accept", "emit + compact"} <= set(stages)
+    assert all(v > 0 for v in stages.values())
+    clover.generate(ids, max_new_tokens=10, do_sample=False)
+    assert clover.generation_stats.stage_seconds == {}
