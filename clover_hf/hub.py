@@ -85,6 +85,7 @@ def save_heads(heads: CloverHeads, directory: str | Path, safe_serialization: bo
     heads.config.save(directory)
     state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
     save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "library": "clover-hf"})
+    (directory / WEIGHTS_NAME).chmod(0o644)  # safetensors writes 0600; heads are meant to be shared
     return directory
 
 

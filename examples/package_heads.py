@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 
 from clover_hf.card import write_model_card
+from clover_hf.config import validate_tree
+from clover_hf.tree import tree_from_accuracies
 from clover_hf.embedded import DEFAULT_BASE_NAME, shipped_heads_path
 from clover_hf.hub import load_heads, save_heads
 
@@ -21,12 +23,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("heads", type=Path, help="the trainer's OUTPUT_DIR/heads")
     parser.add_argument("--benchmark", type=Path, default=None, help="a JSON with tokens_per_step/speedup/prompts")
+    parser.add_argument("--tree-size", type=int, default=None, help="reshape the tree from the measured ranks")
     args = parser.parse_args()
     heads = load_heads(args.heads, dtype=torch.bfloat16)
     heads.config.base_model_name_or_path = DEFAULT_BASE_NAME
     heads.config.base_revision = None
     metrics = json.loads((args.heads / "training_metrics.json").read_text())
     metrics.get("data_config", {})["base_model"] = DEFAULT_BASE_NAME
+    if args.tree_size:
+        ranks = [head["ranks"] for head in metrics["eval"]]
+        heads.config.tree = validate_tree(tree_from_accuracies(ranks, args.tree_size), heads.config.num_heads)
     if args.benchmark:
         metrics["benchmark"] = json.loads(args.benchmark.read_text())
     target = shipped_heads_path()

@@ -1,1 +1,22 @@
+from pathlib import Path
+import os
+
+import pytest
+import torch
+
 pytest_plugins = ["tests.conftest_hub"]
+
+
+@pytest.fixture(scope="session")
+def cache_root(tmp_path_factory) -> Path:
+    """Where the embedded model is converted (once per session; CLOVER_HF_TEST_CACHE reuses one)."""
+    env = os.environ.get("CLOVER_HF_TEST_CACHE")
+    return Path(env) if env else tmp_path_factory.mktemp("clover_hf_cache")
+
+
+@pytest.fixture(scope="session")
+def converted(cache_root) -> Path:
+    """The embedded SmolLM2-135M-Instruct as a float32 safetensors directory."""
+    from clover_hf.embedded import base_model_path
+
+    return base_model_path(torch.float32, cache_dir=cache_root)

