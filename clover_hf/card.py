@@ -149,7 +149,7 @@ def training_section(metrics: dict[str, Any]) -> str:
     training = metrics.get("training") or {}
     bench = metrics.get("benchmark") or {}
     tps = bench.get("tokens_per_step", metrics.get("tokens_per_step"))
-    if not (evals or training or tps):
+    if not (evals or training or tps or metrics.get("notes")):
         return NO_FIGURES
     parts = []
     if evals:
@@ -172,6 +172,7 @@ def training_section(metrics: dict[str, Any]) -> str:
         facts.append(line)
     else:
         facts.append("- Tokens per base forward pass: not measured for this card.")
+    facts += [f"- {note}" for note in metrics.get("notes", [])]
     parts.append("\n".join(facts))
     return "\n\n".join(parts)
 

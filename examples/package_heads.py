@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("heads", type=Path, help="the trainer's OUTPUT_DIR/heads")
     parser.add_argument("--benchmark", type=Path, default=None, help="a JSON with tokens_per_step/speedup/prompts")
     parser.add_argument("--tree-size", type=int, default=None, help="reshape the tree from the measured ranks")
+    parser.add_argument("--note", action="append", default=[], help="a line for the card's training facts")
     args = parser.parse_args()
     heads = load_heads(args.heads, dtype=torch.bfloat16)
     heads.config.base_model_name_or_path = DEFAULT_BASE_NAME
@@ -33,6 +34,7 @@ def main() -> None:
     if args.tree_size:
         ranks = [head["ranks"] for head in metrics["eval"]]
         heads.config.tree = validate_tree(tree_from_accuracies(ranks, args.tree_size), heads.config.num_heads)
+    metrics["notes"] = metrics.get("notes", []) + args.note
     if args.benchmark:
         metrics["benchmark"] = json.loads(args.benchmark.read_text())
     target = shipped_heads_path()
