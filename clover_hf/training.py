@@ -183,10 +183,12 @@ class Trainer:
         acc = self.accelerator
         final = self.out / "checkpoints" / f"step-{self.step:07d}"
         tmp = final.with_name(final.name + ".tmp")
-        if acc.is_main_process and tmp.exists():
-            shutil.rmtree(tmp)
-        acc.wait_for_everyone()
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()  # every process writes its own RNG state into tmp
         acc.save_state(str(tmp))
+        acc.wait_for_everyone()  # ... and has finished before tmp becomes the checkpoint
         if acc.is_main_process:
             (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "config": asdict(self.config)}))
             os.replace(tmp, final)  # a checkpoint exists only once it is complete
