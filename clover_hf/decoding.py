@@ -14,8 +14,8 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import compact_cache, new_cache
-from .heads import AugmentCache, CloverHeads
-from .tree import TreeBuffers, build_tree
+from .heads import CloverHeads
+from .tree import build_tree
 from .verification import MaskLayout, accept_greedy, process_tree_logits
 
 
@@ -133,11 +133,7 @@ def clover_generate(
         [] if want and generation_config.output_logits else None,
     )
     embed = model.get_input_embeddings()
-    lm_head = model.get_output_embeddings()
-    lm_weight, lm_bias = lm_head.weight, getattr(lm_head, "bias", None)
-    if heads.draft_token_ids is not None:
-        lm_weight = lm_weight[heads.draft_token_ids]
-        lm_bias = None if lm_bias is None else lm_bias[heads.draft_token_ids]
+    lm_weight, lm_bias = heads.draft_lm_head(model.get_output_embeddings())
     layout = MaskLayout.for_config(model.config)
     dtype = model.dtype
     prompt_len = input_ids.shape[1]

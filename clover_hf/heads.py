@@ -194,6 +194,13 @@ class CloverHeads(nn.Module):
             outs.append(head(s, e))
         return outs
 
+    def draft_lm_head(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The base lm_head's weight and bias restricted to the draft vocabulary (all rows without one)."""
+        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+        if self.draft_token_ids is None:
+            return weight, bias
+        return weight[self.draft_token_ids], None if bias is None else bias[self.draft_token_ids]
+
     def draft_logits(
         self, hidden: torch.Tensor, lm_weight: torch.Tensor, lm_bias: torch.Tensor | None
     ) -> torch.Tensor:

@@ -8,7 +8,6 @@ normed features toward the base's hidden state there, weighted head_decay ** i (
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import time
@@ -139,10 +138,10 @@ class Trainer:
         lm_head = base.get_output_embeddings()
         device = self.accelerator.device
         self.embed = base.get_input_embeddings()
-        self.lm_bias_full = getattr(lm_head, "bias", None)
+        weight, bias = heads.draft_lm_head(lm_head)
+        self.lm_weight = weight.detach().float().to(device)
+        self.lm_bias = None if bias is None else bias.detach().float().to(device)
         ids = heads.draft_token_ids
-        self.lm_weight = (lm_head.weight[ids] if ids is not None else lm_head.weight).detach().float().to(device)
-        self.lm_bias = None if self.lm_bias_full is None else (self.lm_bias_full[ids] if ids is not None else self.lm_bias_full).detach().float().to(device)
         if ids is not None:
             self.full_to_draft = torch.full((lm_head.weight.shape[0],), -1, dtype=torch.long, device=device)
             self.full_to_draft[ids.to(device)] = torch.arange(ids.numel(), device=device)

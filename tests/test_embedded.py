@@ -5,9 +5,7 @@ Set CLOVER_HF_TEST_CACHE to a directory to reuse the conversion across sessions.
 """
 
 import importlib.util
-import os
 import time
-from pathlib import Path
 
 import pytest
 import torch

@@ -38,7 +38,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from tests.conftest_hub import hub_server, no_network, set_hf_offline  # noqa: F401  (fixtures)
+from tests.conftest_hub import set_hf_offline
 from tests.hub_server import HubServer, git_blob_oid
 
 pytestmark = pytest.mark.usefixtures("no_network")
