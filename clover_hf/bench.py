@@ -65,17 +65,20 @@ def _timed(fn) -> tuple[torch.Tensor, float]:
 
 
 def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 128, do_sample: bool = False,
-                  prompt_lookup: bool = True, warmup: int = 1, profile: bool = True, log=print) -> dict[str, MethodResult]:
+                  prompt_lookup: bool = True, warmup: int = 1, profile: bool = True,
+                  clover_runs: dict[str, dict] | None = None, log=print) -> dict[str, MethodResult]:
     """Interleave the methods on each prompt; plain `generate` is the reference for identity and speed.
 
-    `profile` times Clover's stages (it syncs the device at each stage, so it is free only on CPU).
+    `clover_runs` names Clover variants and their extra `generate` arguments (default: one run with
+    the heads' own settings). `profile` times Clover's stages (it syncs the device at each stage, so
+    it is free only on CPU).
     """
     base = model.base_model
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample)
-    methods = {
-        "plain generate": lambda ids: base.generate(ids, **kwargs),
-        "clover": lambda ids: model.generate(ids, clover_profile=profile, **kwargs),
-    }
+    clover_runs = clover_runs or {"clover": {}}
+    methods = {"plain generate": lambda ids: base.generate(ids, **kwargs)}
+    for name, extra in clover_runs.items():
+        methods[name] = lambda ids, extra=extra: model.generate(ids, clover_profile=profile, **extra, **kwargs)
     if prompt_lookup:
         methods["prompt lookup (10)"] = lambda ids: base.generate(ids, prompt_lookup_num_tokens=10, **kwargs)
     results = {name: MethodResult(name) for name in methods}
@@ -97,7 +100,7 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
             new = out.shape[1] - ids.shape[1]
             r.new_tokens += new
             r.prompts += 1
-            if name == "clover" and model.generation_stats is not None:
+            if name in clover_runs and model.generation_stats is not None:
                 r.steps += model.generation_stats.steps
                 r.accepted_lengths += model.generation_stats.accepted_lengths
                 for stage, sec in model.generation_stats.stage_seconds.items():
@@ -138,7 +141,7 @@ def step_breakdown(result: MethodResult) -> str:
     total = sum(result.stage_seconds.values())
     parts = ", ".join(f"{k} {1000 * v / steps:.1f} ms" for k, v in result.stage_seconds.items())
     verify = result.stage_seconds.get("verify forward", 0.0)
-    return (f"Clover step: {1000 * total / steps:.1f} ms ({parts}); the verify forward is "
+    return (f"{result.name} step: {1000 * total / steps:.1f} ms ({parts}); the verify forward is "
             f"{100 * verify / total:.0f}% of a step, so a step costs {total / verify:.2f}x one verify forward")
 
 
@@ -154,11 +157,13 @@ def plot(results: dict[str, MethodResult], max_depth: int, path: str | Path) -> 
     plain = results["plain generate"].tokens_per_second
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     names = list(results)
-    a.bar(names, [results[n].tokens_per_second / plain for n in names], color=["#999", "#2a7", "#57c"][: len(names)])
+    a.bar(names, [results[n].tokens_per_second / plain for n in names])
     a.axhline(1.0, color="k", lw=0.8)
     a.set_ylabel("speedup over plain generate")
-    lengths = results["clover"].accepted_lengths
-    b.hist(lengths, bins=range(max_depth + 2), align="left", rwidth=0.8, color="#2a7")
+    a.tick_params(axis="x", labelrotation=20)
+    drafted = [r for r in results.values() if r.accepted_lengths]
+    b.hist([r.accepted_lengths for r in drafted], bins=range(max_depth + 2), align="left", label=[r.name for r in drafted])
+    b.legend()
     b.set_xlabel("drafted tokens accepted per step")
     b.set_ylabel("steps")
     fig.tight_layout()

@@ -63,6 +63,8 @@ def make_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--do-sample", action="store_true", help="sampling instead of greedy")
     bench.add_argument("--no-prompt-lookup", action="store_true", help="skip HF prompt-lookup decoding")
+    bench.add_argument("--lookup", type=int, nargs="+", default=None,
+                       help="run Clover once per prompt-lookup chain length given (default: the heads' setting)")
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     bench.add_argument("--out-dir", default="runs/bench", help="where results.md, results.json and plot.png go")
     return parser
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_sample, no_prompt_lookup,
-                  threads, out_dir) -> None:
+                  lookup, threads, out_dir) -> None:
     import json
     from pathlib import Path
 
@@ -103,8 +105,11 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
     model = CloverForCausalLM.from_pretrained(heads, base_model=base_model, dtype=torch_dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(base_model or model.clover_config.base_model_name_or_path)
     texts = bench.read_prompts(prompts, limit)
-    results = bench.run_benchmark(model, tokenizer, texts, max_new_tokens, do_sample, not no_prompt_lookup)
-    depth = model.clover_config.num_heads
+    runs = {f"clover (lookup {n})" if n else "clover (heads only)": {"lookup": n} for n in lookup} if lookup else None
+    results = bench.run_benchmark(model, tokenizer, texts, max_new_tokens, do_sample, not no_prompt_lookup,
+                                  clover_runs=runs)
+    depth = max([model.clover_config.num_heads, model.clover_config.lookup_tokens, *(lookup or [])])
+    breakdown = "\n\n".join(filter(None, (bench.step_breakdown(r) for r in results.values())))
     table = bench.markdown_table(results, depth)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -114,7 +119,7 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
                f"{'sampling' if do_sample else 'greedy'}, batch 1; machine: {bench.machine_description()}\n\n"
                f"{table}\n\nweights: base {base_mib:.0f} MiB, heads {heads_mib:.1f} MiB "
                f"({100 * heads_mib / base_mib:.1f}%); process peak RSS {bench.peak_rss_mib():.0f} MiB\n\n"
-               f"{bench.step_breakdown(results['clover'])}")
+               f"{breakdown}")
     (out / "results.md").write_text(summary + "\n")
     (out / "results.json").write_text(json.dumps({n: vars(r) for n, r in results.items()}, indent=1))
     png = bench.plot(results, depth, out / "plot.png")

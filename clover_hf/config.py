@@ -71,6 +71,9 @@ class CloverConfig:
     tree: list[list[int]] | None = field(
         default=None, metadata={"help": "Draft tree in the Medusa path format (None: DEFAULT_TREE cut to num_heads)."}
     )
+    lookup_tokens: int = field(
+        default=0, metadata={"help": "Prompt-lookup chain added below the tree's root (0: heads only)."}
+    )
     model_type: str = field(default="clover", metadata={"help": "Marks a Clover heads config."})
 
     def __post_init__(self) -> None:
@@ -92,6 +95,8 @@ class CloverConfig:
             )
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
+        if self.lookup_tokens < 0:
+            raise ValueError(f"lookup_tokens must be >= 0, got {self.lookup_tokens}")
         if self.model_type != "clover":
             raise ValueError(f"not a Clover heads config (model_type={self.model_type!r}, expected 'clover')")
         if self.tree is None:

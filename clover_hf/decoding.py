@@ -15,6 +15,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import compact_cache, new_cache
 from .heads import CloverHeads
+from .lookup import lookup_continuation
 from .tree import build_tree
 from .verification import MaskLayout, accept_greedy, process_tree_logits
 
@@ -104,6 +105,7 @@ def clover_generate(
     streamer: object | None = None,
     clover_heads: CloverHeads | None = None,
     clover_tree: list[list[int]] | None = None,
+    clover_lookup: int | None = None,
     clover_streamer: object | None = None,
     clover_stats: GenerationStats | None = None,
     clover_profile: bool = False,
@@ -111,6 +113,7 @@ def clover_generate(
 ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
     """Greedy Clover decoding for one sequence; the signature is transformers' `custom_generate` contract.
 
+    `clover_tree` and `clover_lookup` (prompt-lookup chain length) default to the heads' config.
     `generate` does not hand its `streamer` to custom callables, so it arrives as `clover_streamer`.
     `clover_profile=True` records wall time per stage in `stats.stage_seconds`.
     """
@@ -119,9 +122,11 @@ def clover_generate(
     if input_ids.shape[0] != 1:
         raise ValueError(f"clover_generate decodes one sequence at a time, got batch size {input_ids.shape[0]}")
     heads, device = clover_heads, input_ids.device
-    tree = build_tree(clover_tree or heads.config.tree, device)
-    if tree.max_depth > heads.config.num_heads:
-        raise ValueError(f"the tree is {tree.max_depth} deep but the heads draft {heads.config.num_heads} tokens")
+    paths = clover_tree or heads.config.tree
+    lookup = heads.config.lookup_tokens if clover_lookup is None else clover_lookup
+    trees = [build_tree(paths, device, lookup=m) for m in range(lookup + 1)]  # one per lookup chain length
+    if len(trees[0].levels) > heads.config.num_heads:
+        raise ValueError(f"the tree is {len(trees[0].levels)} deep but the heads draft {heads.config.num_heads} tokens")
     stats = clover_stats if clover_stats is not None else GenerationStats()
     streamer = clover_streamer if clover_streamer is not None else streamer
     want = generation_config.return_dict_in_generate
@@ -166,7 +171,10 @@ def clover_generate(
     clock = _Clock(stats.stage_seconds if clover_profile else None, device)
     while not finished:
         # Draft, then verify the whole tree in one forward over the cache.
-        tokens = torch.cat([root.view(1), heads.draft(feature, root, tree, embed, lm_weight, lm_bias)])
+        drafted = heads.draft(feature, root, trees[0], embed, lm_weight, lm_bias)
+        chain = lookup_continuation(emitter.input_ids[0], lookup) if lookup else drafted[:0]
+        tree = trees[chain.shape[0]]
+        tokens = tree.assemble(root, drafted, chain)
         clock.lap("draft")
         past_len = positions.shape[0]
         node_pos = next_pos + tree.depths

@@ -182,14 +182,25 @@ class FeatureSet:
         return self.offsets.shape[0] - 1
 
     @classmethod
-    def load(cls, directory: str | Path) -> "FeatureSet":
-        files = sorted(Path(directory).glob("shard-*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no feature shards in {directory}")
-        shards = [load_file(str(f)) for f in files]
-        lengths = torch.cat([s["lengths"] for s in shards])
+    def load(cls, *directories: str | Path) -> "FeatureSet":
+        """Every shard of the given directories, in order; all must come from the same base."""
+        shards = []
+        for directory in directories:
+            files = sorted(Path(directory).glob("shard-*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no feature shards in {directory}")
+            shards += [(f, load_file(str(f))) for f in files]
+        first, ref = shards[0]
+        for f, s in shards[1:]:
+            for key in ("hidden", "topk_ids"):
+                if s[key].shape[1:] != ref[key].shape[1:]:
+                    raise ValueError(
+                        f"{f} holds '{key}' of width {s[key].shape[1]} but {first} has {ref[key].shape[1]}: "
+                        "features from different bases or --top-k cannot be mixed"
+                    )
+        lengths = torch.cat([s["lengths"] for _, s in shards])
         return cls(
-            **{k: torch.cat([s[k] for s in shards]) for k in ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_probs")},
+            **{k: torch.cat([s[k] for _, s in shards]) for k in ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_probs")},
             offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
         )
 

@@ -203,11 +203,13 @@ class CloverForCausalLM(nn.Module):
         inputs: torch.Tensor | None = None,
         generation_config: GenerationConfig | None = None,
         tree: list[list[int]] | None = None,
+        lookup: int | None = None,
         **kwargs: Any,
     ) -> Any:
         """`generate` of the base, with greedy decoding run by Clover. Same arguments, same output.
 
-        `tree` overrides the heads' draft tree for this call. Modes Clover does not run yet fall back
+        `tree` overrides the heads' draft tree for this call and `lookup` the length of the
+        prompt-lookup chain verified with it (0: heads only). Modes Clover does not run yet fall back
         to the base's own `generate`, with a warning saying why.
         """
         reason = self._unsupported_reason(inputs, generation_config, kwargs)
@@ -225,6 +227,7 @@ class CloverForCausalLM(nn.Module):
             custom_generate=clover_generate,
             clover_heads=self.clover_heads,
             clover_tree=tree,
+            clover_lookup=lookup,
             clover_streamer=streamer,
             clover_stats=stats,
             **kwargs,

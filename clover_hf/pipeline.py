@@ -14,6 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .data import Record, load_records, sharegpt_conversations
 from .features import FeatureSet, cache_features, first_prompt, read_distilled, self_distill, tokenize_record
+from .heads import CloverHeads
+from .hub import load_heads, resolve_heads
 from .modeling import CloverForCausalLM, check_supported
 from .config import validate_tree
 from .tree import expected_accepted, tree_from_accuracies
@@ -37,6 +39,10 @@ class DataConfig:
         default=None, metadata={"help": "Stop self-distillation after this long and train on what is done."}
     )
     top_k: int = field(default=8, metadata={"help": "Base next-token probabilities kept per position."})
+    extra_features: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Feature directories cached by earlier runs on the same base, trained on as well."},
+    )
 
 
 def make_accelerator(mixed_precision: str = "no") -> Accelerator:
@@ -101,7 +107,22 @@ def prepare_features(data: DataConfig, out: Path, accelerator: Accelerator, log=
     feature_dir = out / f"features-{digest}-w{world}"
     cache_features(base, examples, feature_dir, data.top_k, rank, world)
     accelerator.wait_for_everyone()
-    return base, tokenizer, FeatureSet.load(feature_dir)
+    return base, tokenizer, FeatureSet.load(feature_dir, *data.extra_features)
+
+
+def warm_start(heads: CloverHeads, source: str) -> None:
+    """Copy trained weights into freshly built `heads`; the draft vocabulary is chosen anew from the data."""
+    start = load_heads(resolve_heads(source))
+    ours, theirs = heads.config, start.config
+    for name in ("hidden_size", "vocab_size", "num_heads", "num_augment_layers", "num_attention_heads",
+                 "num_key_value_heads", "intermediate_size"):
+        if getattr(ours, name) != getattr(theirs, name):
+            raise ValueError(f"--init-heads {source} has {name}={getattr(theirs, name)} but this run builds "
+                             f"{name}={getattr(ours, name)}; pass matching --num-heads/--num-augment-layers or drop --init-heads")
+    state = {k: v for k, v in start.state_dict().items() if k != "draft_token_ids"}
+    missing, unexpected = heads.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - {"draft_token_ids"}:
+        raise ValueError(f"--init-heads {source} does not fit this run: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
 def train_heads(data: DataConfig, train: TrainConfig, push_to_hub: str | None = None, log=print) -> Path:
@@ -119,6 +140,9 @@ def train_heads(data: DataConfig, train: TrainConfig, push_to_hub: str | None = 
         base_model_name_or_path=data.base_model, base_revision=data.base_revision,
     )
     heads = clover.clover_heads.float()
+    if train.init_heads:
+        warm_start(heads, train.init_heads)
+        log(f"starting from the heads in {train.init_heads}")
     vocab = choose_draft_vocab(features.token_counts(clover.clover_config.vocab_size), clover.clover_config.draft_vocab_size)
     if vocab is not None:
         heads.draft_token_ids.copy_(vocab)

@@ -46,6 +46,9 @@ class TrainConfig:
     tree_size: int | None = field(
         default=24, metadata={"help": "Draft-tree nodes, shaped from measured acceptance (None: default tree)."}
     )
+    init_heads: str | None = field(
+        default=None, metadata={"help": "Start from these heads (directory or repo id) instead of fresh ones."}
+    )
     seed: int = 0
     mixed_precision: str = field(default="no", metadata={"help": "Accelerate mixed precision: no, bf16, fp16."})
 

@@ -1,7 +1,9 @@
 """Static draft trees compiled once into index tensors (after Medusa's `generate_medusa_buffers`).
 
-Node 0 is the root: the token chosen after the last accepted one. Node i >= 1 is path i-1 of the
-sorted tree, so the nodes of each depth are contiguous and in drafting order.
+Node 0 is the root: the token chosen after the last accepted one. The other nodes are the tree's
+paths sorted by depth, so the nodes of each depth are contiguous. A tree may also carry a lookup
+chain: one extra branch below the root whose tokens come from an n-gram match in the text so far
+(prompt lookup) instead of the heads; its nodes sort after the drafted ones of each depth.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ class TreeBuffers:
     retrieve: torch.Tensor  # (L, D+1) node indices of each root-to-leaf path, padded with -1
     node_paths: torch.Tensor  # (N, D) node indices at depths 1..depth of each node's path, padded with 0
     depth_ranges: tuple[tuple[int, int], ...]  # [start, end) node indices of each depth, root first
-    levels: tuple[TreeLevel, ...]
+    levels: tuple[TreeLevel, ...]  # how the heads draft their nodes, one level per depth
+    draft_nodes: torch.Tensor  # (n_drafted,) node index of each drafted token, in drafting order
+    lookup_nodes: torch.Tensor  # (n_lookup,) node indices of the lookup chain, shallowest first
 
     @property
     def num_nodes(self) -> int:
@@ -44,15 +48,30 @@ class TreeBuffers:
     def max_depth(self) -> int:
         return self.retrieve.shape[1] - 1
 
+    def assemble(self, root: torch.Tensor, drafted: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
+        """Node tokens (N,): the root, the heads' drafts and the lookup chain, each at its nodes."""
+        tokens = root.new_empty(self.num_nodes)
+        tokens[0] = root
+        tokens[self.draft_nodes] = drafted
+        tokens[self.lookup_nodes] = lookup
+        return tokens
 
-def build_tree(paths: list[list[int]], device: torch.device | str = "cpu") -> TreeBuffers:
-    """Compile a tree in the Medusa path format; cached per (tree, device)."""
+
+LOOKUP_RANK = 1 << 30  # the rank that marks lookup-chain nodes in a path; sorts after any drafted sibling
+
+
+def build_tree(paths: list[list[int]], device: torch.device | str = "cpu", lookup: int = 0) -> TreeBuffers:
+    """Compile a tree in the Medusa path format, plus a lookup chain of `lookup` nodes; cached."""
     key = tuple(tuple(p) for p in validate_tree(paths, num_heads=max(len(p) for p in paths) if paths else 1))
-    return _build_tree(key, str(torch.device(device)))
+    if lookup < 0:
+        raise ValueError(f"lookup must be >= 0, got {lookup}")
+    return _build_tree(key, str(torch.device(device)), lookup)
 
 
-@lru_cache(maxsize=32)
-def _build_tree(paths: tuple[tuple[int, ...], ...], device: str) -> TreeBuffers:
+@lru_cache(maxsize=128)
+def _build_tree(drafted: tuple[tuple[int, ...], ...], device: str, lookup: int) -> TreeBuffers:
+    chain = [(LOOKUP_RANK,) * d for d in range(1, lookup + 1)]
+    paths = tuple(sorted(drafted + tuple(chain), key=lambda p: (len(p), p)))
     index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
     n = len(index)
     depths = [0] + [len(p) for p in paths]
@@ -80,8 +99,9 @@ def _build_tree(paths: tuple[tuple[int, ...], ...], device: str) -> TreeBuffers:
 
     levels = []
     expanded = [()]  # parents of the current level, in drafting order
-    for depth in range(1, max_depth + 1):
-        nodes = [p for p in paths if len(p) == depth]
+    draft_depth = max(len(p) for p in drafted)
+    for depth in range(1, draft_depth + 1):
+        nodes = [p for p in drafted if len(p) == depth]
         pos = {p: i for i, p in enumerate(expanded)}
         nxt = [p for p in nodes if p in has_children]
         levels.append(
@@ -90,7 +110,7 @@ def _build_tree(paths: tuple[tuple[int, ...], ...], device: str) -> TreeBuffers:
                 child_parent=torch.tensor([pos[p[:-1]] for p in nodes]),
                 child_rank=torch.tensor([p[-1] for p in nodes]),
                 parent_of_expanded=None,
-                next_expanded=torch.tensor([nodes.index(p) for p in nxt]) if depth < max_depth else None,
+                next_expanded=torch.tensor([nodes.index(p) for p in nxt]) if depth < draft_depth else None,
             )
         )
         expanded = nxt
@@ -120,7 +140,10 @@ def _build_tree(paths: tuple[tuple[int, ...], ...], device: str) -> TreeBuffers:
             TreeLevel(lv.k, dev(lv.child_parent), dev(lv.child_rank), dev(lv.parent_of_expanded), dev(lv.next_expanded))
             for lv in levels
         ),
+        draft_nodes=torch.tensor([index[p] for p in drafted], dtype=torch.long, device=device),
+        lookup_nodes=torch.tensor([index[p] for p in chain], dtype=torch.long, device=device),
     )
+
 
 
 def tree_from_accuracies(rank_probs: list[list[float]], size: int) -> list[list[int]]:

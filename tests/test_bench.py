@@ -49,3 +49,28 @@ def test_bench_command_writes_results(tmp_path):
     text = (out / "results.md").read_text()
     assert "2 prompts" in text and "| clover |" in text and "2/2" in text
     assert (out / "results.json").is_file()
+
+
+def test_bench_compares_lookup_settings(tmp_path):
+    from clover_hf.cli import main
+
+    from .tiny import save_tiny_base
+
+    base_dir = save_tiny_base(tmp_path / "base")
+    from transformers import AutoModelForCausalLM
+
+    CloverForCausalLM.from_base(AutoModelForCausalLM.from_pretrained(base_dir)).save_pretrained(tmp_path / "heads")
+    (tmp_path / "p.txt").write_text("abc abc abc abc\nsecond prompt\n")
+    out = tmp_path / "out"
+    main(["bench", "--heads", str(tmp_path / "heads"), "--base-model", base_dir, "--dtype", "float32",
+          "--prompts", str(tmp_path / "p.txt"), "--max-new-tokens", "24", "--lookup", "0", "6",
+          "--no-prompt-lookup", "--out-dir", str(out)])
+    import json
+
+    results = json.loads((out / "results.json").read_text())
+    assert list(results) == ["plain generate", "clover (heads only)", "clover (lookup 6)"]
+    for name in ("clover (heads only)", "clover (lookup 6)"):
+        assert results[name]["identical"] == 2 and results[name]["new_tokens"] == 48
+    text = (out / "results.md").read_text()
+    assert "| clover (lookup 6) |" in text and "accept d6" in text
+    assert "clover (lookup 6) step:" in text

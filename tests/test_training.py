@@ -89,6 +89,28 @@ def test_cli_train_writes_loadable_heads(tiny_base, tmp_path):
                        clover.base_model.generate(ids, max_new_tokens=20, do_sample=False))
 
 
+def test_continue_from_heads_with_earlier_features(tiny_base, tmp_path):
+    """--init-heads starts from trained heads; --extra-features adds an earlier run's cached features."""
+    first = tmp_path / "first"
+    assert cli_main(_args(tiny_base, _chats(tmp_path / "a.jsonl"), first)) == 0
+    (earlier,) = first.glob("features-*")
+    second = tmp_path / "second"
+    more = _chats(tmp_path / "b.jsonl", n=8)
+    # lr 0: the heads must come out exactly as they went in
+    assert cli_main(_args(tiny_base, more, second, **{"init-heads": str(first / "heads"), "lr": "0",
+                                                       "extra-features": str(earlier)})) == 0
+    before, after = load_file(first / "heads" / "model.safetensors"), load_file(second / "heads" / "model.safetensors")
+    for name, tensor in before.items():
+        if name != "draft_token_ids":
+            assert torch.equal(tensor, after[name]), name
+    (own,) = second.glob("features-*")
+    assert len(FeatureSet.load(own, earlier)) == 8 + 24
+    metrics = json.loads((second / "heads" / "training_metrics.json").read_text())
+    assert metrics["training"]["sequences"] == 32
+    with pytest.raises(ValueError, match="num_heads"):
+        cli_main(_args(tiny_base, more, tmp_path / "third", **{"init-heads": str(first / "heads"), "num-heads": "2"}))
+
+
 def test_self_distillation_is_cached_and_resumed(tiny_base, tmp_path):
     out = tmp_path / "run"
     args = _args(tiny_base, _chats(tmp_path / "chats.jsonl", n=8), out, **{

@@ -1,0 +1,104 @@
+"""The prompt-lookup chain: n-gram matching, its place in the tree, and exact greedy output with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clover_hf import CloverForCausalLM
+from clover_hf.config import CloverConfig
+from clover_hf.lookup import lookup_continuation
+from clover_hf.tree import build_tree
+
+from .tiny import ARCHS, oracle_model, prompt, tiny_model
+
+t = torch.tensor
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool((a == b).all())
+
+
+def test_lookup_continuation():
+    assert lookup_continuation(t([1, 2, 3, 4, 5, 1, 2, 3]), 3).tolist() == [4, 5, 1]
+    assert lookup_continuation(t([1, 2, 3, 4, 5, 1, 2, 3]), 10).tolist() == [4, 5, 1, 2, 3]  # cut by the end
+    assert lookup_continuation(t([5, 6, 7, 8]), 3).tolist() == []
+    assert lookup_continuation(t([7]), 3).tolist() == []
+    # the longest n-gram wins: (8, 1) matches at 3, the lone 1 would also match at 0
+    assert lookup_continuation(t([1, 9, 9, 8, 1, 4, 4, 8, 1]), 2).tolist() == [4, 4]
+    # the most recent match that has num_tokens after it, not the first one
+    assert lookup_continuation(t([1, 2, 3, 7, 7, 1, 2, 3, 5, 6, 0, 0, 1, 2, 3]), 2, max_ngram=3).tolist() == [5, 6]
+
+
+def test_tree_with_lookup_chain():
+    plain = build_tree([[0], [1], [0, 0]])
+    tree = build_tree([[0], [1], [0, 0]], lookup=3)
+    assert tree.num_nodes == plain.num_nodes + 3
+    assert tree.depths.tolist() == [0, 1, 1, 1, 2, 2, 3]
+    assert tree.depth_ranges == ((0, 1), (1, 4), (4, 6), (6, 7))  # each depth contiguous
+    assert tree.lookup_nodes.tolist() == [3, 5, 6]
+    assert tree.draft_nodes.tolist() == [1, 2, 4]
+    # the chain sees the root and its own earlier nodes only
+    assert tree.ancestors[6].nonzero().flatten().tolist() == [0, 3, 5, 6]
+    assert tree.ancestors[5].nonzero().flatten().tolist() == [0, 3, 5]
+    assert [lv.k for lv in tree.levels] == [lv.k for lv in plain.levels]  # drafting is unchanged
+    tokens = tree.assemble(t(100), t([1, 2, 3]), t([7, 8, 9]))
+    assert tokens.tolist() == [100, 1, 2, 7, 3, 8, 9]
+    assert build_tree([[0]], lookup=0).lookup_nodes.numel() == 0
+    with pytest.raises(ValueError, match="lookup"):
+        build_tree([[0]], lookup=-1)
+    with pytest.raises(ValueError, match="lookup_tokens"):
+        CloverConfig(hidden_size=8, vocab_size=16, num_attention_heads=2, lookup_tokens=-2)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_lookup_chain_matches_base(arch):
+    base = tiny_model(arch)
+    clover = CloverForCausalLM.from_base(base)
+    for seed in (1, 2):
+        ids = prompt(seed)
+        ref = base.generate(ids, max_new_tokens=60, do_sample=False)
+        out = clover.generate(ids, max_new_tokens=60, do_sample=False, lookup=8)
+        assert _same(out, ref)
+
+
+def test_lookup_chain_is_accepted_beyond_the_heads_depth():
+    """Tiny random models repeat themselves: the chain gets accepted past what 4 heads can draft."""
+    base = tiny_model("llama")
+    clover = CloverForCausalLM.from_base(base)
+    ids = prompt(2)
+    ref = base.generate(ids, max_new_tokens=60, do_sample=False)
+    heads_only = clover.generate(ids, max_new_tokens=60, do_sample=False)
+    tps_heads = clover.generation_stats.tokens_per_step
+    out = clover.generate(ids, max_new_tokens=60, do_sample=False, lookup=8)
+    stats = clover.generation_stats
+    assert _same(out, ref) and _same(heads_only, ref)
+    assert max(stats.accepted_lengths) > clover.clover_config.num_heads
+    assert stats.tokens_per_step > tps_heads
+
+
+def test_lookup_from_config_and_with_oracle_heads():
+    """Heads and chain in one tree; the config's lookup_tokens applies when generate is not told."""
+    base = tiny_model("qwen3")
+    ids = prompt(3, length=6)
+    ref = base.generate(ids, max_new_tokens=50, do_sample=False)
+    clover = oracle_model(base, ref, lookup_tokens=6)
+    out = clover.generate(ids, max_new_tokens=50, do_sample=False)
+    assert _same(out, ref)
+    assert clover.generation_stats.tokens_per_step > 2.5
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 3, 7, 11])
+@pytest.mark.parametrize(
+    "processors",
+    [dict(), dict(repetition_penalty=1.5), dict(no_repeat_ngram_size=3)],
+    ids=["none", "repetition_penalty", "no_repeat_ngram"],
+)
+def test_lookup_with_processors_and_lengths(processors, max_new_tokens):
+    base = tiny_model("mistral")
+    ids = prompt(2)
+    ref = base.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, **processors)
+    out = CloverForCausalLM.from_base(base).generate(
+        ids, max_new_tokens=max_new_tokens, do_sample=False, lookup=6, **processors
+    )
+    assert _same(out, ref)
