@@ -4,7 +4,7 @@ from .config import DEFAULT_TREE, CloverConfig
 from .decoding import GenerationStats, clover_generate
 from .heads import CloverHeads
 from .modeling import CloverForCausalLM
-from .tree import build_tree
+from .tree import DynamicTree, build_tree
 
 __all__ = [
     "DEFAULT_TREE",
@@ -13,6 +13,7 @@ __all__ = [
     "CloverHeads",
     "GenerationStats",
     "build_tree",
+    "DynamicTree",
     "clover_generate",
 ]
 __version__ = "0.1.0"

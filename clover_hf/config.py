@@ -71,6 +71,11 @@ class CloverConfig:
     tree: list[list[int]] | None = field(
         default=None, metadata={"help": "Draft tree in the Medusa path format (None: DEFAULT_TREE cut to num_heads)."}
     )
+    dynamic_tree: dict[str, int] | None = field(
+        default=None,
+        metadata={"help": "Draft an EAGLE-2-style tree each step, e.g. {'depth': 4, 'width': 4, 'nodes': 16} "
+                          "(None: the static `tree`)."},
+    )
     lookup_tokens: int = field(
         default=0, metadata={"help": "Prompt-lookup chain added below the tree's root (0: heads only)."}
     )
@@ -95,6 +100,13 @@ class CloverConfig:
             )
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
+        if self.dynamic_tree is not None:
+            from .tree import DynamicTree
+
+            spec = DynamicTree(**self.dynamic_tree)
+            if spec.depth > self.num_heads:
+                raise ValueError(f"dynamic_tree depth {spec.depth} exceeds the {self.num_heads} heads that draft it")
+            self.dynamic_tree = {"depth": spec.depth, "width": spec.width, "nodes": spec.nodes}
         if self.lookup_tokens < 0:
             raise ValueError(f"lookup_tokens must be >= 0, got {self.lookup_tokens}")
         if self.model_type != "clover":

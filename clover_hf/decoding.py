@@ -16,7 +16,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .cache import compact_cache, new_cache
 from .heads import CloverHeads
 from .lookup import lookup_continuation
-from .tree import build_tree
+from .tree import DynamicTree, StepTree, TreeBuffers, build_tree, select_dynamic, with_chain
 from .verification import MaskLayout, accept_greedy, process_tree_logits
 
 
@@ -95,6 +95,28 @@ def _base_forward(model: PreTrainedModel, ids, mask, positions, cache, logits_to
     return out.logits[0].float(), out.hidden_states[-1][0]  # (n, V) fp32, (T, H)
 
 
+def _tree_spec(tree: list[list[int]] | DynamicTree | dict | None, config) -> list[list[int]] | DynamicTree:
+    if tree is None:
+        tree = config.dynamic_tree if config.dynamic_tree is not None else config.tree
+    return DynamicTree(**tree) if isinstance(tree, dict) else tree
+
+
+def _draft_tree(heads: CloverHeads, feature, root, spec, trees, chain, embed, lm_weight, lm_bias
+                ) -> tuple[torch.Tensor, TreeBuffers | StepTree]:
+    """This step's node tokens (root first) and the tree that verifies them."""
+    if trees is not None:
+        drafted = heads.draft(feature, root, trees[0], embed, lm_weight, lm_bias)
+        tree = trees[chain.shape[0]]
+        return tree.assemble(root, drafted, chain), tree
+    candidates = heads.draft_dynamic(feature, root, spec.depth, spec.width, embed, lm_weight, lm_bias)
+    drafted, parents, depths = select_dynamic(*candidates, spec.nodes)
+    zero = parents.new_zeros(1)
+    tokens, parents, depths = torch.cat([root.view(1), drafted]), torch.cat([zero, parents]), torch.cat([zero, depths])
+    if chain.numel():
+        tokens, parents, depths = with_chain(tokens, parents, depths, chain)
+    return tokens, StepTree.from_parents(parents, depths, max(spec.depth, chain.shape[0]))
+
+
 def clover_generate(
     model: PreTrainedModel,
     input_ids: torch.LongTensor,
@@ -104,7 +126,7 @@ def clover_generate(
     synced_gpus: bool = False,
     streamer: object | None = None,
     clover_heads: CloverHeads | None = None,
-    clover_tree: list[list[int]] | None = None,
+    clover_tree: list[list[int]] | DynamicTree | dict | None = None,
     clover_lookup: int | None = None,
     clover_streamer: object | None = None,
     clover_stats: GenerationStats | None = None,
@@ -113,7 +135,8 @@ def clover_generate(
 ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
     """Greedy Clover decoding for one sequence; the signature is transformers' `custom_generate` contract.
 
-    `clover_tree` and `clover_lookup` (prompt-lookup chain length) default to the heads' config.
+    `clover_tree` (static paths, or a `DynamicTree` / its dict) and `clover_lookup` (prompt-lookup
+    chain length) default to the heads' config.
     `generate` does not hand its `streamer` to custom callables, so it arrives as `clover_streamer`.
     `clover_profile=True` records wall time per stage in `stats.stage_seconds`.
     """
@@ -122,11 +145,13 @@ def clover_generate(
     if input_ids.shape[0] != 1:
         raise ValueError(f"clover_generate decodes one sequence at a time, got batch size {input_ids.shape[0]}")
     heads, device = clover_heads, input_ids.device
-    paths = clover_tree or heads.config.tree
+    spec = _tree_spec(clover_tree, heads.config)
     lookup = heads.config.lookup_tokens if clover_lookup is None else clover_lookup
-    trees = [build_tree(paths, device, lookup=m) for m in range(lookup + 1)]  # one per lookup chain length
-    if len(trees[0].levels) > heads.config.num_heads:
-        raise ValueError(f"the tree is {len(trees[0].levels)} deep but the heads draft {heads.config.num_heads} tokens")
+    # static trees are compiled once per lookup chain length
+    trees = None if isinstance(spec, DynamicTree) else [build_tree(spec, device, lookup=m) for m in range(lookup + 1)]
+    depth = spec.depth if trees is None else len(trees[0].levels)
+    if depth > heads.config.num_heads:
+        raise ValueError(f"the tree is {depth} deep but the heads draft {heads.config.num_heads} tokens")
     stats = clover_stats if clover_stats is not None else GenerationStats()
     streamer = clover_streamer if clover_streamer is not None else streamer
     want = generation_config.return_dict_in_generate
@@ -171,10 +196,8 @@ def clover_generate(
     clock = _Clock(stats.stage_seconds if clover_profile else None, device)
     while not finished:
         # Draft, then verify the whole tree in one forward over the cache.
-        drafted = heads.draft(feature, root, trees[0], embed, lm_weight, lm_bias)
-        chain = lookup_continuation(emitter.input_ids[0], lookup) if lookup else drafted[:0]
-        tree = trees[chain.shape[0]]
-        tokens = tree.assemble(root, drafted, chain)
+        chain = lookup_continuation(emitter.input_ids[0], lookup) if lookup else root.new_empty(0)
+        tokens, tree = _draft_tree(heads, feature, root, spec, trees, chain, embed, lm_weight, lm_bias)
         clock.lap("draft")
         past_len = positions.shape[0]
         node_pos = next_pos + tree.depths

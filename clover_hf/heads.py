@@ -233,6 +233,47 @@ class CloverHeads(nn.Module):
                 e = embed(children[level.next_expanded]).to(states.dtype)
         return torch.cat(drafted)
 
+    @torch.no_grad()
+    def draft_dynamic(
+        self,
+        feature: torch.Tensor,  # (H,)
+        root: torch.Tensor,  # ()
+        depth: int,
+        width: int,
+        embed: nn.Module,
+        lm_weight: torch.Tensor,
+        lm_bias: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Candidates of an EAGLE-2-style tree: at each depth the `width` likeliest paths get `width` children.
+
+        Returns, in drafting order, each candidate's token, parent (candidate index + 1; 0 is the
+        root), depth and path log-probability under the heads.
+        """
+        states = feature.view(1, -1)
+        e = embed(root.view(1)).to(states.dtype)
+        path_logp = torch.zeros(1, device=feature.device)
+        frontier = torch.zeros(1, dtype=torch.long, device=feature.device)  # node ids; the root is 0
+        tokens, parents, depths, scores = [], [], [], []
+        count = 1
+        for d in range(depth):
+            if d > 0:
+                states = self.regressive(states, e)
+            logp = self.draft_logits(self.heads[d](states, e), lm_weight, lm_bias).float().log_softmax(-1)
+            top = logp.topk(width, dim=-1)  # (F, width)
+            ids = top.indices if self.draft_token_ids is None else self.draft_token_ids[top.indices]
+            joint = (path_logp[:, None] + top.values).flatten()
+            tokens.append(ids.flatten())
+            parents.append(frontier.repeat_interleave(width))
+            depths.append(torch.full_like(joint, d + 1, dtype=torch.long))
+            scores.append(joint)
+            node_ids = count + torch.arange(joint.shape[0], device=feature.device)
+            count += joint.shape[0]
+            if d + 1 < depth:
+                keep = joint.topk(min(width, joint.shape[0])).indices
+                states, e = states[keep // width], embed(ids.flatten()[keep]).to(states.dtype)
+                path_logp, frontier = joint[keep], node_ids[keep]
+        return torch.cat(tokens), torch.cat(parents), torch.cat(depths), torch.cat(scores)
+
     # -- initialisation ----------------------------------------------------------------------
     @torch.no_grad()
     def init_from_base(self, base_model: nn.Module) -> bool:

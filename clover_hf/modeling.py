@@ -202,14 +202,15 @@ class CloverForCausalLM(nn.Module):
         self,
         inputs: torch.Tensor | None = None,
         generation_config: GenerationConfig | None = None,
-        tree: list[list[int]] | None = None,
+        tree: list[list[int]] | dict | None = None,
         lookup: int | None = None,
         **kwargs: Any,
     ) -> Any:
         """`generate` of the base, with greedy decoding run by Clover. Same arguments, same output.
 
-        `tree` overrides the heads' draft tree for this call and `lookup` the length of the
-        prompt-lookup chain verified with it (0: heads only). Modes Clover does not run yet fall back
+        `tree` overrides the heads' draft tree for this call (Medusa paths, or a dynamic tree as
+        `{"depth": 4, "width": 4, "nodes": 16}`) and `lookup` the length of the prompt-lookup chain
+        verified with it (0: heads only). Modes Clover does not run yet fall back
         to the base's own `generate`, with a warning saying why.
         """
         reason = self._unsupported_reason(inputs, generation_config, kwargs)

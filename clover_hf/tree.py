@@ -33,7 +33,6 @@ class TreeBuffers:
     depths: torch.Tensor  # (N,) depth of each node, root 0
     parents: torch.Tensor  # (N,) parent node of each node (root: 0)
     ancestors: torch.Tensor  # (N, N) bool: node i may attend to node j (j is i or an ancestor of i)
-    retrieve: torch.Tensor  # (L, D+1) node indices of each root-to-leaf path, padded with -1
     node_paths: torch.Tensor  # (N, D) node indices at depths 1..depth of each node's path, padded with 0
     depth_ranges: tuple[tuple[int, int], ...]  # [start, end) node indices of each depth, root first
     levels: tuple[TreeLevel, ...]  # how the heads draft their nodes, one level per depth
@@ -46,7 +45,7 @@ class TreeBuffers:
 
     @property
     def max_depth(self) -> int:
-        return self.retrieve.shape[1] - 1
+        return self.node_paths.shape[1]
 
     def assemble(self, root: torch.Tensor, drafted: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
         """Node tokens (N,): the root, the heads' drafts and the lookup chain, each at its nodes."""
@@ -82,12 +81,7 @@ def _build_tree(drafted: tuple[tuple[int, ...], ...], device: str, lookup: int) 
             ancestors[i, index[p[:d]]] = True
 
     has_children = {p[:-1] for p in paths}
-    leaves = [p for p in index if p not in has_children]
     max_depth = max(depths)
-    retrieve = torch.full((len(leaves), max_depth + 1), -1, dtype=torch.long)
-    for r, leaf in enumerate(leaves):
-        for d in range(len(leaf) + 1):
-            retrieve[r, d] = index[leaf[:d]]
 
     node_paths = torch.zeros(n, max_depth, dtype=torch.long)
     for p, i in index.items():
@@ -133,7 +127,6 @@ def _build_tree(drafted: tuple[tuple[int, ...], ...], device: str, lookup: int) 
         depths=torch.tensor(depths, device=device),
         parents=torch.tensor(parents, device=device),
         ancestors=ancestors.to(device),
-        retrieve=retrieve.to(device),
         node_paths=node_paths.to(device),
         depth_ranges=depth_ranges,
         levels=tuple(
@@ -177,3 +170,85 @@ def expected_accepted(paths: list[list[int]], rank_probs: list[list[float]]) -> 
             chance *= rank_probs[depth][r] if r < len(rank_probs[depth]) else 0.0
         total += chance
     return total
+
+
+@dataclass(frozen=True)
+class DynamicTree:
+    """An EAGLE-2-style tree drafted anew each step: the `width` likeliest paths are expanded at each
+    of `depth` levels (top-`width` children each), then the `nodes` likeliest drafts are verified."""
+
+    depth: int = 4
+    width: int = 4
+    nodes: int = 16
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.width < 1 or self.nodes < 1:
+            raise ValueError(f"dynamic tree depth, width and nodes must be >= 1, got {self}")
+        if self.nodes > self.width + (self.depth - 1) * self.width**2:
+            raise ValueError(f"a dynamic tree of depth {self.depth} and width {self.width} drafts fewer than {self.nodes} nodes")
+
+
+@dataclass
+class StepTree:
+    """A tree built for one step from parent pointers; nodes sorted by depth, root first."""
+
+    depths: torch.Tensor  # (N,)
+    parents: torch.Tensor  # (N,) the root is its own parent
+    ancestors: torch.Tensor  # (N, N) bool: node i may attend to node j
+
+    @classmethod
+    def from_parents(cls, parents: torch.Tensor, depths: torch.Tensor, max_depth: int) -> "StepTree":
+        n = parents.shape[0]
+        ancestors = torch.eye(n, dtype=torch.bool, device=parents.device)
+        rows, up = torch.arange(n, device=parents.device), parents
+        for _ in range(max_depth):  # pointer jumping, no host sync: the root points at itself
+            ancestors[rows, up] = True
+            up = parents[up]
+        return cls(depths, parents, ancestors)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.depths.shape[0]
+
+    @property
+    def depth_ranges(self) -> tuple[tuple[int, int], ...]:
+        counts = torch.bincount(self.depths).tolist()  # a host sync; needed only by logits processors
+        ends = [sum(counts[: d + 1]) for d in range(len(counts))]
+        return tuple((end - c, end) for c, end in zip(counts, ends))
+
+    @property
+    def node_paths(self) -> torch.Tensor:
+        """(N, D): the node at depths 1..D on each node's path (0 past its own depth)."""
+        levels = torch.arange(1, int(self.depths.max()) + 1, device=self.depths.device)
+        at = self.ancestors[:, None, :] & (self.depths[None, None, :] == levels[None, :, None])  # (N, D, N)
+        return at.int().argmax(dim=-1)
+
+
+def select_dynamic(
+    tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor, nodes: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keep the `nodes` likeliest drafted candidates (a prefix-closed set) and renumber them.
+
+    Candidates come in drafting order (by depth); `parents` index candidates + 1 (0 is the root) and
+    `scores` are path log-probabilities, never higher than the parent's, so a stable sort keeps every
+    kept node's parent. Returns (tokens, parents, depths) of the kept nodes, root excluded, by depth.
+    """
+    order = scores.sort(descending=True, stable=True).indices[:nodes]
+    kept = order.sort().values  # drafting order is depth order
+    new_index = torch.zeros(tokens.shape[0] + 1, dtype=torch.long, device=tokens.device)
+    new_index[kept + 1] = torch.arange(1, kept.shape[0] + 1, device=tokens.device)
+    return tokens[kept], new_index[parents[kept]], depths[kept]
+
+
+def with_chain(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, chain: torch.Tensor):
+    """Append a lookup chain below the root and re-sort all nodes by depth (root included, first)."""
+    n, m = tokens.shape[0], chain.shape[0]
+    device = tokens.device
+    steps = torch.arange(m, device=device)
+    tokens = torch.cat([tokens, chain])
+    parents = torch.cat([parents, torch.where(steps == 0, 0, n + steps - 1)])
+    depths = torch.cat([depths, steps + 1])
+    order = depths.sort(stable=True).indices
+    position = torch.empty_like(order)
+    position[order] = torch.arange(n + m, device=device)
+    return tokens[order], position[parents[order]], depths[order]

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from transformers import LogitsProcessorList
 
-from .tree import TreeBuffers
+from .tree import StepTree, TreeBuffers
 
 
 def additive_mask(
@@ -65,7 +65,7 @@ def process_tree_logits(
     logits: torch.Tensor,  # (N, V) float32 raw logits at each node
     input_ids: torch.Tensor,  # (1, L) emitted tokens, the root last
     tokens: torch.Tensor,  # (N,) node tokens, root first
-    tree: TreeBuffers,
+    tree: TreeBuffers | StepTree,
     logits_processor: LogitsProcessorList,
 ) -> torch.Tensor:
     """Apply the logits processors to every node with that node's own prefix (one call per depth)."""
@@ -81,19 +81,17 @@ def process_tree_logits(
 
 
 def accept_greedy(
-    tokens: torch.Tensor, targets: torch.Tensor, tree: TreeBuffers
+    tokens: torch.Tensor, targets: torch.Tensor, tree: TreeBuffers | StepTree
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Longest root-to-node path whose every token equals the base's choice at its parent.
+    """Deepest node whose path from the root matches the base's choice at every step.
 
-    tokens, targets: (N,) drafted token and base argmax at each node. Returns the accepted node
-    indices (root first) and the bonus token (the base's choice after the last accepted node).
+    tokens, targets: (N,) drafted token and base argmax at each node; nodes are sorted by depth.
+    Returns the accepted node indices (root first) and the bonus token (the base's choice after the
+    last accepted node).
     """
-    paths = tree.retrieve  # (P, D+1)
-    valid = paths >= 0
-    safe = paths.clamp(min=0)
-    match = (tokens[safe[:, 1:]] == targets[safe[:, :-1]]) & valid[:, 1:]  # (P, D)
-    lengths = match.int().cumprod(dim=1).sum(dim=1)  # accepted nodes below the root per path
-    best = lengths.argmax()
-    n = int(lengths[best])  # the step's one host sync
-    nodes = safe[best, : n + 1]
+    correct = tokens == targets[tree.parents]
+    correct[0] = True
+    on_path = ~(tree.ancestors & ~correct[None, :]).any(dim=-1)  # every node from the root to i is right
+    best = torch.where(on_path, tree.depths, -1).argmax()
+    nodes = tree.ancestors[best].nonzero().flatten()  # the step's one host sync
     return nodes, targets[nodes[-1]]

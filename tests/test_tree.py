@@ -22,7 +22,7 @@ def test_build_tree_indices():
     anc = t.ancestors.int().tolist()
     assert anc[6] == [1, 1, 0, 1, 0, 0, 1]
     assert anc[5] == [1, 0, 1, 0, 0, 1, 0]
-    assert sorted(map(tuple, t.retrieve.tolist())) == [(0, 1, 3, 6), (0, 1, 4, -1), (0, 2, 5, -1)]
+    assert t.node_paths.tolist()[6] == [1, 3, 6] and t.node_paths.tolist()[5] == [2, 5, 0]
     assert [lv.k for lv in t.levels] == [2, 2, 1]
     assert t.levels[1].child_parent.tolist() == [0, 0, 1]  # [0,0],[0,1] from [0]; [1,0] from [1]
     assert t.levels[1].parent_of_expanded.tolist() == [0, 0]  # expanded [0] and [1] hang off the root

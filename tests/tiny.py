@@ -85,6 +85,30 @@ class OracleHeads(CloverHeads):
             out.append(truth if on_branch else (truth + 1 + p[-1]) % VOCAB)
         return torch.tensor(out, device=feature.device)
 
+    def draft_dynamic(self, feature, root, depth, width, embed, lm_weight, lm_bias):
+        """The real candidates, re-labelled: one deepest path carries the reference and ranks first."""
+        tokens, parents, depths, scores = super().draft_dynamic(feature, root, depth, width, embed, lm_weight, lm_bias)
+        par, dep = parents.tolist(), depths.tolist()
+        deepest = [i for i, d in enumerate(dep) if d == depth]
+        node, branch = deepest[self.step % len(deepest)], set()
+        while True:
+            branch.add(node)
+            if par[node] == 0:
+                break
+            node = par[node] - 1
+        right_depth = 1 + (self.step % (depth + 1)) if self.step % 3 else depth
+        self.step += 1
+        root_pos = self.last_position + 1
+        out, new_scores = [], []
+        for i, d in enumerate(dep):
+            want = root_pos + d
+            truth = self.reference[want] if want < len(self.reference) else 0
+            on_branch = i in branch and d <= right_depth
+            out.append(truth if on_branch else (truth + 1 + i) % VOCAB)
+            new_scores.append(-0.01 * d if i in branch else float(scores[i]) - 10.0)
+        return (torch.tensor(out, device=feature.device), parents, depths,
+                torch.tensor(new_scores, device=feature.device))
+
 
 def oracle_model(base: PreTrainedModel, reference: torch.Tensor, **config_kwargs) -> CloverForCausalLM:
     clover = CloverForCausalLM.from_base(base, **config_kwargs)
