@@ -51,7 +51,6 @@ def render_model_card(
     metrics = metrics or {}
     base = config.base_model_name_or_path
     hub_base = base_model_hub_id(base)
-    tree_depth = max(len(p) for p in config.tree)
     if datasets is None:
         datasets = [KNOWN_DATASETS[d] for d in _data_sources(metrics) if d in KNOWN_DATASETS] or None
     tags = TAGS + ([config.base_model_type] if config.base_model_type else [])
@@ -98,12 +97,23 @@ def render_model_card(
         hidden_size=config.hidden_size,
         draft_vocab=(f"{config.draft_vocab_size:,} most frequent of {config.vocab_size:,} tokens"
                      if config.draft_vocab_size else f"all {config.vocab_size:,} tokens"),
-        tree_nodes=len(config.tree),
-        tree_depth=tree_depth,
+        tree_summary=tree_summary(config),
         num_params=_count(num_parameters(config)),
         training=training_section(metrics),
     )
     return load_template().substitute(values)
+
+
+def tree_summary(config: CloverConfig) -> str:
+    """The draft settings in words, e.g. "static, 10 nodes, depth 3, plus a prompt-lookup chain of up to 8 tokens"."""
+    if config.dynamic_tree:
+        t = config.dynamic_tree
+        text = f"dynamic: {t['nodes']} nodes chosen each step, depth {t['depth']}, width {t['width']}"
+    else:
+        text = f"static, {len(config.tree)} nodes, depth {max(len(p) for p in config.tree)}"
+    if config.lookup_tokens:
+        text += f", plus a prompt-lookup chain of up to {config.lookup_tokens} tokens"
+    return text
 
 
 def write_model_card(directory: str | Path, config: CloverConfig, metrics: dict[str, Any] | None = None,

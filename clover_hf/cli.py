@@ -63,8 +63,10 @@ def make_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--do-sample", action="store_true", help="sampling instead of greedy")
     bench.add_argument("--no-prompt-lookup", action="store_true", help="skip HF prompt-lookup decoding")
-    bench.add_argument("--lookup", type=int, nargs="+", default=None,
-                       help="run Clover once per prompt-lookup chain length given (default: the heads' setting)")
+    bench.add_argument("--variants", default=None,
+                       help='Clover variants to compare, as JSON: name -> generate arguments, e.g. '
+                            '\'{"static": {"lookup": 0}, "dynamic": {"tree": {"depth": 4, "width": 4, "nodes": 16}}}\' '
+                            "(default: one run with the heads' own settings)")
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     bench.add_argument("--out-dir", default="runs/bench", help="where results.md, results.json and plot.png go")
     return parser
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_sample, no_prompt_lookup,
-                  lookup, threads, out_dir) -> None:
+                  variants, threads, out_dir) -> None:
     import json
     from pathlib import Path
 
@@ -105,10 +107,11 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
     model = CloverForCausalLM.from_pretrained(heads, base_model=base_model, dtype=torch_dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(base_model or model.clover_config.base_model_name_or_path)
     texts = bench.read_prompts(prompts, limit)
-    runs = {f"clover (lookup {n})" if n else "clover (heads only)": {"lookup": n} for n in lookup} if lookup else None
+    runs = {f"clover ({name})": kwargs for name, kwargs in json.loads(variants).items()} if variants else None
     results = bench.run_benchmark(model, tokenizer, texts, max_new_tokens, do_sample, not no_prompt_lookup,
                                   clover_runs=runs)
-    depth = max([model.clover_config.num_heads, model.clover_config.lookup_tokens, *(lookup or [])])
+    lookups = [model.clover_config.lookup_tokens, *(kw.get("lookup") or 0 for kw in (runs or {}).values())]
+    depth = max(model.clover_config.num_heads, *lookups)
     breakdown = "\n\n".join(filter(None, (bench.step_breakdown(r) for r in results.values())))
     table = bench.markdown_table(results, depth)
     out = Path(out_dir)

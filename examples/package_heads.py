@@ -24,6 +24,9 @@ def main() -> None:
     parser.add_argument("heads", type=Path, help="the trainer's OUTPUT_DIR/heads")
     parser.add_argument("--benchmark", type=Path, default=None, help="a JSON with tokens_per_step/speedup/prompts")
     parser.add_argument("--tree-size", type=int, default=None, help="reshape the tree from the measured ranks")
+    parser.add_argument("--lookup", type=int, default=None, help="prompt-lookup chain length to ship (lookup_tokens)")
+    parser.add_argument("--dynamic-tree", type=json.loads, default=None,
+                        help='ship a dynamic tree, e.g. \'{"depth": 4, "width": 4, "nodes": 16}\'')
     parser.add_argument("--note", action="append", default=[], help="a line for the card's training facts")
     args = parser.parse_args()
     heads = load_heads(args.heads, dtype=torch.bfloat16)
@@ -34,6 +37,11 @@ def main() -> None:
     if args.tree_size:
         ranks = [head["ranks"] for head in metrics["eval"]]
         heads.config.tree = validate_tree(tree_from_accuracies(ranks, args.tree_size), heads.config.num_heads)
+    if args.lookup is not None:
+        heads.config.lookup_tokens = args.lookup
+    if args.dynamic_tree is not None:
+        heads.config.dynamic_tree = args.dynamic_tree
+    heads.config.__post_init__()  # validate the settings just changed
     metrics["notes"] = metrics.get("notes", []) + args.note
     if args.benchmark:
         metrics["benchmark"] = json.loads(args.benchmark.read_text())

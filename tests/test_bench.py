@@ -63,13 +63,14 @@ def test_bench_compares_lookup_settings(tmp_path):
     (tmp_path / "p.txt").write_text("abc abc abc abc\nsecond prompt\n")
     out = tmp_path / "out"
     main(["bench", "--heads", str(tmp_path / "heads"), "--base-model", base_dir, "--dtype", "float32",
-          "--prompts", str(tmp_path / "p.txt"), "--max-new-tokens", "24", "--lookup", "0", "6",
+          "--prompts", str(tmp_path / "p.txt"), "--max-new-tokens", "24",
+          "--variants", '{"heads only": {"lookup": 0}, "lookup 6": {"lookup": 6}, "dynamic": {"tree": {"depth": 2, "width": 2, "nodes": 5}}}',
           "--no-prompt-lookup", "--out-dir", str(out)])
     import json
 
     results = json.loads((out / "results.json").read_text())
-    assert list(results) == ["plain generate", "clover (heads only)", "clover (lookup 6)"]
-    for name in ("clover (heads only)", "clover (lookup 6)"):
+    assert list(results) == ["plain generate", "clover (heads only)", "clover (lookup 6)", "clover (dynamic)"]
+    for name in ("clover (heads only)", "clover (lookup 6)", "clover (dynamic)"):
         assert results[name]["identical"] == 2 and results[name]["new_tokens"] == 48
     text = (out / "results.md").read_text()
     assert "| clover (lookup 6) |" in text and "accept d6" in text

@@ -110,3 +110,14 @@ def test_dynamic_tree_saved_with_heads(tmp_path):
     ids = prompt(4)
     assert _same(again.generate(ids, max_new_tokens=30, do_sample=False),
                  base.generate(ids, max_new_tokens=30, do_sample=False))
+
+
+def test_model_card_describes_the_draft_settings():
+    from clover_hf.card import render_model_card
+
+    static = CloverConfig(hidden_size=8, vocab_size=16, num_attention_heads=2, num_heads=3, tree=[[0], [1], [0, 0]])
+    assert "static, 3 nodes, depth 2" in render_model_card(static)
+    dynamic = CloverConfig(hidden_size=8, vocab_size=16, num_attention_heads=2, num_heads=3, dynamic_tree=SPEC,
+                           lookup_tokens=8)
+    text = render_model_card(dynamic)
+    assert "dynamic: 10 nodes chosen each step, depth 3, width 3, plus a prompt-lookup chain of up to 8 tokens" in text
