@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM
+
 from clover_hf import CloverForCausalLM
 from clover_hf.bench import markdown_table, read_prompts, run_benchmark
+from clover_hf.cli import main
 
-from .tiny import CHAT_TEMPLATE, byte_tokenizer, tiny_model
+from .tiny import CHAT_TEMPLATE, byte_tokenizer, save_tiny_base, tiny_model
 
 
 def test_run_benchmark_interleaves_methods(tmp_path):
@@ -33,41 +39,29 @@ def test_read_prompts_sources(tmp_path):
     assert read_prompts(str(tmp_path / "p.txt"), None) == ["x", "y"]
 
 
-def test_bench_command_writes_results(tmp_path):
-    from clover_hf.cli import main
-
-    from .tiny import save_tiny_base
-
+def _bench(tmp_path, prompts: str, *extra: str) -> Path:
+    """Run `clover-hf bench` on a tiny saved base with fresh heads; returns the output directory."""
     base_dir = save_tiny_base(tmp_path / "base")
-    from transformers import AutoModelForCausalLM
-
     CloverForCausalLM.from_base(AutoModelForCausalLM.from_pretrained(base_dir)).save_pretrained(tmp_path / "heads")
-    (tmp_path / "p.txt").write_text("first prompt\nsecond prompt\n")
+    (tmp_path / "p.txt").write_text(prompts)
     out = tmp_path / "out"
     main(["bench", "--heads", str(tmp_path / "heads"), "--base-model", base_dir, "--dtype", "float32",
-          "--prompts", str(tmp_path / "p.txt"), "--max-new-tokens", "8", "--out-dir", str(out)])
+          "--prompts", str(tmp_path / "p.txt"), "--out-dir", str(out), *extra])
+    return out
+
+
+def test_bench_command_writes_results(tmp_path):
+    out = _bench(tmp_path, "first prompt\nsecond prompt\n", "--max-new-tokens", "8")
     text = (out / "results.md").read_text()
     assert "2 prompts" in text and "| clover |" in text and "2/2" in text
     assert (out / "results.json").is_file()
 
 
-def test_bench_compares_lookup_settings(tmp_path):
-    from clover_hf.cli import main
-
-    from .tiny import save_tiny_base
-
-    base_dir = save_tiny_base(tmp_path / "base")
-    from transformers import AutoModelForCausalLM
-
-    CloverForCausalLM.from_base(AutoModelForCausalLM.from_pretrained(base_dir)).save_pretrained(tmp_path / "heads")
-    (tmp_path / "p.txt").write_text("abc abc abc abc\nsecond prompt\n")
-    out = tmp_path / "out"
-    main(["bench", "--heads", str(tmp_path / "heads"), "--base-model", base_dir, "--dtype", "float32",
-          "--prompts", str(tmp_path / "p.txt"), "--max-new-tokens", "24",
-          "--variants", '{"heads only": {"lookup": 0}, "lookup 6": {"lookup": 6}, "dynamic": {"tree": {"depth": 2, "width": 2, "nodes": 5}}}',
-          "--no-prompt-lookup", "--out-dir", str(out)])
-    import json
-
+def test_bench_compares_variants(tmp_path):
+    variants = {"heads only": {"lookup": 0}, "lookup 6": {"lookup": 6},
+                "dynamic": {"tree": {"depth": 2, "width": 2, "nodes": 5}}}
+    out = _bench(tmp_path, "abc abc abc abc\nsecond prompt\n", "--max-new-tokens", "24",
+                 "--variants", json.dumps(variants), "--no-prompt-lookup")
     results = json.loads((out / "results.json").read_text())
     assert list(results) == ["plain generate", "clover (heads only)", "clover (lookup 6)", "clover (dynamic)"]
     for name in ("clover (heads only)", "clover (lookup 6)", "clover (dynamic)"):

@@ -11,25 +11,31 @@ from transformers import TextStreamer
 
 from clover_hf import CloverForCausalLM
 
-from .tiny import ARCHS, byte_tokenizer, oracle_model, prompt, tiny_model
+from .tiny import ARCHS, byte_tokenizer, oracle_model, prompt, same, tiny_model
 
 ALL = list(ARCHS)
 
 
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and bool((a == b).all())
+
+DRAFTING = {  # every way of drafting: the static tree, a lookup chain, a dynamic tree, both
+    "static": {},
+    "lookup": {"lookup": 8},
+    "dynamic": {"tree": {"depth": 3, "width": 3, "nodes": 10}},
+    "dynamic+lookup": {"tree": {"depth": 3, "width": 3, "nodes": 10}, "lookup": 6},
+}
 
 
+@pytest.mark.parametrize("drafting", list(DRAFTING))
 @pytest.mark.parametrize("arch", ALL)
-def test_random_heads_match_base(arch):
+def test_random_heads_match_base(arch, drafting):
     base = tiny_model(arch)
     clover = CloverForCausalLM.from_base(base)
     for seed in (1, 2):
         ids = prompt(seed)
-        ref = base.generate(ids, max_new_tokens=40, do_sample=False)
-        out = clover.generate(ids, max_new_tokens=40, do_sample=False)
-        assert _same(out, ref)
-        assert clover.generation_stats.new_tokens == 40
+        ref = base.generate(ids, max_new_tokens=60, do_sample=False)
+        out = clover.generate(ids, max_new_tokens=60, do_sample=False, **DRAFTING[drafting])
+        assert same(out, ref)
+        assert clover.generation_stats.new_tokens == 60
         assert clover.generation_stats.steps >= 2
 
 
@@ -41,7 +47,7 @@ def test_oracle_heads_accept_long_paths(arch):
     ref = base.generate(ids, max_new_tokens=60, do_sample=False)
     clover = oracle_model(base, ref)
     out = clover.generate(ids, max_new_tokens=60, do_sample=False)
-    assert _same(out, ref)
+    assert same(out, ref)
     stats = clover.generation_stats
     assert max(stats.accepted_lengths) == clover.clover_config.num_heads  # a full-depth path was accepted
     assert 0 in stats.accepted_lengths or 1 in stats.accepted_lengths  # and short ones too
@@ -62,7 +68,7 @@ def test_sliding_window_mask_matters():
         broken = clover.generate(ids, max_new_tokens=40, do_sample=False)
     finally:
         verification.MaskLayout.for_config = original
-    assert not _same(broken, ref)
+    assert not same(broken, ref)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt2"])
@@ -73,7 +79,7 @@ def test_max_new_tokens_mid_path(arch, max_new_tokens):
     long_ref = base.generate(ids, max_new_tokens=30, do_sample=False)
     clover = oracle_model(base, long_ref)
     out = clover.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-    assert _same(out, long_ref[:, : ids.shape[1] + max_new_tokens])
+    assert same(out, long_ref[:, : ids.shape[1] + max_new_tokens])
     assert clover.generation_stats.new_tokens == max_new_tokens
 
 
@@ -84,7 +90,7 @@ def test_max_length():
     out = oracle_model(base, base.generate(ids, max_new_tokens=40, do_sample=False)).generate(
         ids, max_length=25, do_sample=False
     )
-    assert _same(out, ref) and out.shape[1] == 25
+    assert same(out, ref) and out.shape[1] == 25
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
@@ -101,7 +107,7 @@ def test_eos_inside_accepted_path(arch):
             ref = base.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=eos_arg)
             clover = oracle_model(base, free)
             out = clover.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=eos_arg)
-            assert _same(out, ref)
+            assert same(out, ref)
             assert out[0, -1].item() == eos and out.shape[1] == ids.shape[1] + k + 1
 
 
@@ -120,7 +126,7 @@ def test_stop_strings():
     ref = base.generate(ids, max_new_tokens=40, do_sample=False, stop_strings=[stop], tokenizer=tok)
     out = oracle_model(base, free).generate(ids, max_new_tokens=40, do_sample=False, stop_strings=[stop], tokenizer=tok)
     assert ref.shape[1] < free.shape[1]  # the stop string did stop generation early
-    assert _same(out, ref)
+    assert same(out, ref)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -152,7 +158,7 @@ def test_logits_processors_use_each_nodes_prefix(arch, processors):
     ref = base.generate(ids, max_new_tokens=40, do_sample=False, **processors)
     for clover in (CloverForCausalLM.from_base(base), oracle_model(base, ref)):
         out = clover.generate(ids, max_new_tokens=40, do_sample=False, **processors)
-        assert _same(out, ref)
+        assert same(out, ref)
 
 
 def test_return_dict_scores_and_logits():
@@ -162,7 +168,7 @@ def test_return_dict_scores_and_logits():
               output_logits=True, repetition_penalty=1.3)
     ref = base.generate(ids, **kw)
     out = oracle_model(base, ref.sequences).generate(ids, **kw)
-    assert _same(out.sequences, ref.sequences)
+    assert same(out.sequences, ref.sequences)
     assert len(out.scores) == len(ref.scores) == 20
     for a, b in zip(out.scores, ref.scores):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
@@ -179,9 +185,9 @@ def test_attention_mask_with_left_padding():
     mask[0, :3] = 0
     ref = base.generate(ids, attention_mask=mask, max_new_tokens=25, do_sample=False)
     out = oracle_model(base, ref).generate(ids, attention_mask=mask, max_new_tokens=25, do_sample=False)
-    assert _same(out, ref)
+    assert same(out, ref)
     full = torch.ones_like(ids)
-    assert _same(
+    assert same(
         CloverForCausalLM.from_base(base).generate(ids, attention_mask=full, max_new_tokens=25, do_sample=False),
         base.generate(ids, attention_mask=full, max_new_tokens=25, do_sample=False),
     )
@@ -194,7 +200,7 @@ def test_tree_as_generate_argument(tree):
     ref = base.generate(ids, max_new_tokens=30, do_sample=False)
     clover = oracle_model(base, ref)
     out = clover.generate(ids, max_new_tokens=30, do_sample=False, tree=tree)
-    assert _same(out, ref)
+    assert same(out, ref)
     assert max(clover.generation_stats.accepted_lengths) == max(len(p) for p in tree)
 
 
@@ -204,11 +210,11 @@ def test_generation_config_object_and_defaults():
     base.generation_config.do_sample = False
     ids = prompt(13)
     clover = CloverForCausalLM.from_base(base)
-    assert _same(clover.generate(ids), base.generate(ids))
+    assert same(clover.generate(ids), base.generate(ids))
     from transformers import GenerationConfig
 
     gc = GenerationConfig(max_new_tokens=7, do_sample=False, repetition_penalty=1.2)
-    assert _same(clover.generate(ids, generation_config=gc), base.generate(ids, generation_config=gc))
+    assert same(clover.generate(ids, generation_config=gc), base.generate(ids, generation_config=gc))
 
 
 def test_fp64_and_bf16_run():
@@ -216,7 +222,7 @@ def test_fp64_and_bf16_run():
     base = tiny_model("llama", dtype=torch.float64)
     ids = prompt(14)
     ref = base.generate(ids, max_new_tokens=20, do_sample=False)
-    assert _same(oracle_model(base, ref).generate(ids, max_new_tokens=20, do_sample=False), ref)
+    assert same(oracle_model(base, ref).generate(ids, max_new_tokens=20, do_sample=False), ref)
     bf16 = tiny_model("llama", dtype=torch.bfloat16)
     out = CloverForCausalLM.from_base(bf16).generate(ids, max_new_tokens=20, do_sample=False)
     assert out.shape == (1, ids.shape[1] + 20)
@@ -227,7 +233,7 @@ def test_profile_records_stage_times():
     ids = prompt(15)
     clover = CloverForCausalLM.from_base(base)
     out = clover.generate(ids, max_new_tokens=10, do_sample=False, clover_profile=True)
-    assert _same(out, base.generate(ids, max_new_tokens=10, do_sample=False))
+    assert same(out, base.generate(ids, max_new_tokens=10, do_sample=False))
     stages = clover.generation_stats.stage_seconds
     assert {"draft", "verify forward", "accept", "emit + compact"} <= set(stages)
     assert all(v > 0 for v in stages.values())

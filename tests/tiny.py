@@ -52,6 +52,11 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Token-for-token equality, shapes included."""
+    return a.shape == b.shape and bool((a == b).all())
+
+
 def prompt(seed: int = 1, length: int = 10) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(1, VOCAB, (1, length), generator=g)
