@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("heads", type=Path, help="the trainer's OUTPUT_DIR/heads")
     parser.add_argument("--benchmark", type=Path, default=None, help="a JSON with tokens_per_step/speedup/prompts")
     parser.add_argument("--tree-size", type=int, default=None, help="reshape the tree from the measured ranks")
+    parser.add_argument("--tree", type=json.loads, default=None, help="ship this static tree (Medusa paths, JSON)")
     parser.add_argument("--lookup", type=int, default=None, help="prompt-lookup chain length to ship (lookup_tokens)")
     parser.add_argument("--dynamic-tree", type=json.loads, default=None,
                         help='ship a dynamic tree, e.g. \'{"depth": 4, "width": 4, "nodes": 16}\'')
@@ -37,6 +38,8 @@ def main() -> None:
     if args.tree_size:
         ranks = [head["ranks"] for head in metrics["eval"]]
         heads.config.tree = validate_tree(tree_from_accuracies(ranks, args.tree_size), heads.config.num_heads)
+    if args.tree is not None:
+        heads.config.tree = validate_tree(args.tree, heads.config.num_heads)
     if args.lookup is not None:
         heads.config.lookup_tokens = args.lookup
     if args.dynamic_tree is not None:
