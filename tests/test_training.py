@@ -74,6 +74,20 @@ def test_training_step_changes_heads_not_base(tiny_base, tmp_path):
     assert any("heads.0.fc" in k for k in changed) and any("augment" in k for k in changed)
 
 
+def test_feature_sets_from_several_runs_must_match(tiny_base, tmp_path):
+    base = AutoModelForCausalLM.from_pretrained(tiny_base).eval().requires_grad_(False)
+    examples = [Example(prompt(i, 12)[0].tolist(), [1] * 12) for i in range(3)]
+    cache_features(base, examples, tmp_path / "a", top_k=4)
+    cache_features(base, examples[:2], tmp_path / "b", top_k=4)
+    cache_features(base, examples, tmp_path / "c", top_k=8)
+    both = FeatureSet.load(tmp_path / "a", tmp_path / "b")
+    assert len(both) == 5 and torch.equal(both.input_ids[36:60], FeatureSet.load(tmp_path / "b").input_ids)
+    with pytest.raises(ValueError, match="topk_ids.*cannot be mixed"):
+        FeatureSet.load(tmp_path / "a", tmp_path / "c")
+    with pytest.raises(FileNotFoundError, match="no feature shards"):
+        FeatureSet.load(tmp_path / "a", tmp_path / "missing")
+
+
 def test_cli_train_writes_loadable_heads(tiny_base, tmp_path):
     out = tmp_path / "run"
     assert cli_main(_args(tiny_base, _chats(tmp_path / "chats.jsonl"), out)) == 0
