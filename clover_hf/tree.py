@@ -9,7 +9,8 @@ chain: one extra branch below the root whose tokens come from an n-gram match in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
+from itertools import accumulate
 
 import torch
 
@@ -72,24 +73,10 @@ def _build_tree(drafted: tuple[tuple[int, ...], ...], device: str, lookup: int) 
     chain = [(LOOKUP_RANK,) * d for d in range(1, lookup + 1)]
     paths = tuple(sorted(drafted + tuple(chain), key=lambda p: (len(p), p)))
     index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
-    n = len(index)
     depths = [0] + [len(p) for p in paths]
     parents = [0] + [index[p[:-1]] for p in paths]
-    ancestors = torch.zeros(n, n, dtype=torch.bool)
-    for p, i in index.items():
-        for d in range(len(p) + 1):
-            ancestors[i, index[p[:d]]] = True
-
+    shape = StepTree.from_parents(torch.tensor(parents), torch.tensor(depths), max(depths))
     has_children = {p[:-1] for p in paths}
-    max_depth = max(depths)
-
-    node_paths = torch.zeros(n, max_depth, dtype=torch.long)
-    for p, i in index.items():
-        for d in range(1, len(p) + 1):
-            node_paths[i, d - 1] = index[p[:d]]
-    depth_ranges = tuple(
-        (depths.index(d), len(depths) - depths[::-1].index(d)) for d in range(max_depth + 1)
-    )
 
     levels = []
     expanded = [()]  # parents of the current level, in drafting order
@@ -126,9 +113,9 @@ def _build_tree(drafted: tuple[tuple[int, ...], ...], device: str, lookup: int) 
         paths=paths,
         depths=torch.tensor(depths, device=device),
         parents=torch.tensor(parents, device=device),
-        ancestors=ancestors.to(device),
-        node_paths=node_paths.to(device),
-        depth_ranges=depth_ranges,
+        ancestors=shape.ancestors.to(device),
+        node_paths=shape.node_paths.to(device),
+        depth_ranges=shape.depth_ranges,
         levels=tuple(
             TreeLevel(lv.k, dev(lv.child_parent), dev(lv.child_rank), dev(lv.parent_of_expanded), dev(lv.next_expanded))
             for lv in levels
@@ -136,7 +123,6 @@ def _build_tree(drafted: tuple[tuple[int, ...], ...], device: str, lookup: int) 
         draft_nodes=torch.tensor([index[p] for p in drafted], dtype=torch.long, device=device),
         lookup_nodes=torch.tensor([index[p] for p in chain], dtype=torch.long, device=device),
     )
-
 
 
 def tree_from_accuracies(rank_probs: list[list[float]], size: int) -> list[list[int]]:
@@ -190,7 +176,8 @@ class DynamicTree:
 
 @dataclass
 class StepTree:
-    """A tree built for one step from parent pointers; nodes sorted by depth, root first."""
+    """A tree from parent pointers (nodes sorted by depth, root first): a dynamic tree's shape each
+    step, and how static trees are compiled."""
 
     depths: torch.Tensor  # (N,)
     parents: torch.Tensor  # (N,) the root is its own parent
@@ -210,13 +197,13 @@ class StepTree:
     def num_nodes(self) -> int:
         return self.depths.shape[0]
 
-    @property
+    @cached_property
     def depth_ranges(self) -> tuple[tuple[int, int], ...]:
         counts = torch.bincount(self.depths).tolist()  # a host sync; needed only by logits processors
-        ends = [sum(counts[: d + 1]) for d in range(len(counts))]
+        ends = list(accumulate(counts))
         return tuple((end - c, end) for c, end in zip(counts, ends))
 
-    @property
+    @cached_property
     def node_paths(self) -> torch.Tensor:
         """(N, D): the node at depths 1..D on each node's path (0 past its own depth)."""
         levels = torch.arange(1, int(self.depths.max()) + 1, device=self.depths.device)

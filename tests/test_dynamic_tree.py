@@ -16,12 +16,13 @@ SPEC = {"depth": 3, "width": 3, "nodes": 10}
 
 
 
-def test_step_tree_matches_the_static_compiler():
+def test_step_tree_from_parents():
     static = build_tree([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
-    step = StepTree.from_parents(static.parents, static.depths, max_depth=3)
-    assert torch.equal(step.ancestors, static.ancestors)
-    assert step.depth_ranges == static.depth_ranges
-    assert torch.equal(step.node_paths, static.node_paths)
+    step = StepTree.from_parents(t([0, 0, 0, 1, 1, 2, 3]), t([0, 1, 1, 2, 2, 2, 3]), max_depth=3)
+    anc = step.ancestors.int().tolist()
+    assert anc[6] == [1, 1, 0, 1, 0, 0, 1] and anc[5] == [1, 0, 1, 0, 0, 1, 0] and anc[0] == [1, 0, 0, 0, 0, 0, 0]
+    assert step.depth_ranges == ((0, 1), (1, 3), (3, 6), (6, 7))
+    assert step.node_paths.tolist() == [[0, 0, 0], [1, 0, 0], [2, 0, 0], [1, 3, 0], [1, 4, 0], [2, 5, 0], [1, 3, 6]]
     tokens = t([5, 10, 11, 20, 21, 22, 30])
     targets = t([11, 20, 22, 30, 0, 99, 0])
     for tree in (static, step):
