@@ -66,8 +66,12 @@ def _timed(fn) -> tuple[torch.Tensor, float]:
 
 def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 128, do_sample: bool = False,
                   prompt_lookup: bool = True, warmup: int = 1, profile: bool = True,
-                  clover_runs: dict[str, dict] | None = None, log=print) -> dict[str, MethodResult]:
+                  clover_runs: dict[str, dict] | None = None, temperature: float | None = None,
+                  log=print) -> dict[str, MethodResult]:
     """Interleave the methods on each prompt; plain `generate` is the reference for identity and speed.
+
+    With `do_sample` every method draws from the same seed per prompt, but each consumes random
+    numbers differently, so identical outputs are not expected (the table shows "-").
 
     `clover_runs` names Clover variants and their extra `generate` arguments (default: one run with
     the heads' own settings). `profile` times Clover's stages (it syncs the device at each stage, so
@@ -75,6 +79,8 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
     """
     base = model.base_model
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample)
+    if do_sample and temperature is not None:
+        kwargs["temperature"] = temperature
     clover_runs = clover_runs or {"clover": {}}
     methods = {"plain generate": lambda ids: base.generate(ids, **kwargs)}
     for name, extra in clover_runs.items():
@@ -119,7 +125,7 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def markdown_table(results: dict[str, MethodResult], max_depth: int) -> str:
+def markdown_table(results: dict[str, MethodResult], max_depth: int, sampled: bool = False) -> str:
     plain = results["plain generate"]
     head = ["method", "tokens/s", "x plain", "tokens/step", "identical to plain"]
     head += [f"accept d{d}" for d in range(1, max_depth + 1)]
@@ -127,7 +133,7 @@ def markdown_table(results: dict[str, MethodResult], max_depth: int) -> str:
     for r in results.values():
         acc = r.acceptance_by_depth(max_depth) if r.accepted_lengths else [float("nan")] * max_depth
         cells = [r.name, f"{r.tokens_per_second:.1f}", f"{r.tokens_per_second / plain.tokens_per_second:.2f}",
-                 f"{r.tokens_per_step:.2f}" if r.steps else "-", f"{r.identical}/{r.prompts}"]
+                 f"{r.tokens_per_step:.2f}" if r.steps else "-", "-" if sampled else f"{r.identical}/{r.prompts}"]
         cells += ["-" if a != a else f"{a:.2f}" for a in acc]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)

@@ -62,6 +62,7 @@ def make_parser() -> argparse.ArgumentParser:
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--do-sample", action="store_true", help="sampling instead of greedy")
+    bench.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the model's)")
     bench.add_argument("--no-prompt-lookup", action="store_true", help="skip HF prompt-lookup decoding")
     bench.add_argument("--variants", default=None,
                        help='Clover variants to compare, as JSON: name -> generate arguments, e.g. '
@@ -87,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_sample, no_prompt_lookup,
-                  variants, threads, out_dir) -> None:
+def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_sample, temperature,
+                  no_prompt_lookup, variants, threads, out_dir) -> None:
     import json
     from pathlib import Path
 
@@ -109,17 +110,17 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
     texts = bench.read_prompts(prompts, limit)
     runs = {f"clover ({name})": kwargs for name, kwargs in json.loads(variants).items()} if variants else None
     results = bench.run_benchmark(model, tokenizer, texts, max_new_tokens, do_sample, not no_prompt_lookup,
-                                  clover_runs=runs)
+                                  clover_runs=runs, temperature=temperature)
     lookups = [model.clover_config.lookup_tokens, *(kw.get("lookup") or 0 for kw in (runs or {}).values())]
     depth = max(model.clover_config.num_heads, *lookups)
     breakdown = "\n\n".join(filter(None, (bench.step_breakdown(r) for r in results.values())))
-    table = bench.markdown_table(results, depth)
+    table = bench.markdown_table(results, depth, sampled=do_sample)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     base_mib = sum(p.numel() * p.element_size() for p in model.base_model.parameters()) / 2**20
     heads_mib = sum(t.numel() * t.element_size() for t in model.clover_heads.state_dict().values()) / 2**20
     summary = (f"{len(texts)} prompts ({prompts}), {max_new_tokens} new tokens, {dtype}, "
-               f"{'sampling' if do_sample else 'greedy'}, batch 1; machine: {bench.machine_description()}\n\n"
+               f"{sampling_words(do_sample, temperature)}, batch 1; machine: {bench.machine_description()}\n\n"
                f"{table}\n\nweights: base {base_mib:.0f} MiB, heads {heads_mib:.1f} MiB "
                f"({100 * heads_mib / base_mib:.1f}%); process peak RSS {bench.peak_rss_mib():.0f} MiB\n\n"
                f"{breakdown}")
@@ -128,6 +129,12 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
     png = bench.plot(results, depth, out / "plot.png")
     print(summary)
     print(f"written: {out / 'results.md'}" + (f", {png}" if png else " (pip install matplotlib for the plot)"))
+
+
+def sampling_words(do_sample: bool, temperature: float | None) -> str:
+    if not do_sample:
+        return "greedy"
+    return "sampling" + (f" (temperature {temperature})" if temperature is not None else "")
 
 
 if __name__ == "__main__":

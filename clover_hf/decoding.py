@@ -1,7 +1,8 @@
 """The Clover decode loop, run by `transformers`' `generate` as a `custom_generate` callable.
 
 Each step: draft a tree with the heads -> verify it in one base forward -> accept the longest
-matching path plus a bonus token -> compact the base cache -> feed the accepted tokens to the heads.
+matching path plus a bonus token (greedy, or by lossless rejection sampling) -> compact the base
+cache -> feed the accepted tokens to the heads.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from .cache import compact_cache, new_cache
 from .heads import CloverHeads
 from .lookup import lookup_continuation
 from .tree import DynamicTree, StepTree, TreeBuffers, build_tree, select_dynamic, with_chain
-from .verification import MaskLayout, accept_greedy, process_tree_logits
+from .verification import MaskLayout, accept_greedy, accept_sampled, process_tree_logits
 
 
 @dataclass
@@ -133,7 +134,8 @@ def clover_generate(
     clover_profile: bool = False,
     **model_kwargs,
 ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
-    """Greedy Clover decoding for one sequence; the signature is transformers' `custom_generate` contract.
+    """Clover decoding (greedy or sampling) for one sequence; the signature is transformers'
+    `custom_generate` contract. Sampling draws from the global torch RNG (`torch.manual_seed`).
 
     `clover_tree` (static paths, or a `DynamicTree` / its dict) and `clover_lookup` (prompt-lookup
     chain length) default to the heads' config.
@@ -183,7 +185,8 @@ def clover_generate(
     logits, hidden = _base_forward(model, input_ids, mask, positions.clamp(min=0), cache, logits_to_keep=1)
     stats.steps += 1
     scores = logits_processor(input_ids, logits[-1:])
-    root = scores[0].argmax()
+    sample = bool(generation_config.do_sample)
+    root = torch.multinomial(scores[0].softmax(-1), 1)[0] if sample else scores[0].argmax()
     _, finished = emitter.emit(root.view(1), scores, logits[-1:])
     next_pos = positions.max() + 1
     if not finished:
@@ -206,7 +209,11 @@ def clover_generate(
         stats.steps += 1
         clock.lap("verify forward")
         scores = process_tree_logits(logits, emitter.input_ids, tokens, tree, logits_processor)
-        nodes, bonus = accept_greedy(tokens, scores.argmax(-1), tree)
+        if sample:
+            uniforms = torch.rand(tokens.shape[0], device=device)
+            nodes, bonus = accept_sampled(tokens, scores.softmax(-1), tree, uniforms)
+        else:
+            nodes, bonus = accept_greedy(tokens, scores.argmax(-1), tree)
         stats.accepted_lengths.append(nodes.shape[0] - 1)
         clock.lap("accept")
 

@@ -206,7 +206,8 @@ class CloverForCausalLM(nn.Module):
         lookup: int | None = None,
         **kwargs: Any,
     ) -> Any:
-        """`generate` of the base, with greedy decoding run by Clover. Same arguments, same output.
+        """`generate` of the base, with greedy decoding and sampling run by Clover. Same arguments; the
+        same output when greedy, the same distribution of outputs when sampling.
 
         `tree` overrides the heads' draft tree for this call (Medusa paths, or a dynamic tree as
         `{"depth": 4, "width": 4, "nodes": 16}`) and `lookup` the length of the prompt-lookup chain
@@ -265,8 +266,8 @@ class CloverForCausalLM(nn.Module):
         probe = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
         config, _ = self.base_model._prepare_generation_config(copy.deepcopy(generation_config), **probe)
         mode = config.get_generation_mode(kwargs.get("assistant_model"))
-        if mode != GenerationMode.GREEDY_SEARCH:
-            return f"{mode.value.replace('_', ' ')} (yet; greedy decoding only)"
+        if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+            return f"{mode.value.replace('_', ' ')} (greedy decoding and sampling only)"
         if getattr(config, "dola_layers", None) is not None:
             return "DoLa decoding"
         if (config.num_return_sequences or 1) > 1:

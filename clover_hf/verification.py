@@ -1,4 +1,4 @@
-"""Tree verification: the attention mask and positions of a tree forward, and greedy acceptance."""
+"""Tree verification: the attention mask and positions of a tree forward, and acceptance (greedy or sampled)."""
 
 from __future__ import annotations
 
@@ -91,7 +91,45 @@ def accept_greedy(
     """
     correct = tokens == targets[tree.parents]
     correct[0] = True
-    on_path = ~(tree.ancestors & ~correct[None, :]).any(dim=-1)  # every node from the root to i is right
-    best = torch.where(on_path, tree.depths, -1).argmax()
-    nodes = tree.ancestors[best].nonzero().flatten()  # the step's one host sync
-    return nodes, targets[nodes[-1]]
+    last, nodes = _deepest_path(correct, tree)
+    return nodes, targets[last]
+
+
+def _deepest_path(passed: torch.Tensor, tree: TreeBuffers | StepTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """The deepest node whose every node from the root passed, and that path's node indices (root first)."""
+    on_path = ~(tree.ancestors & ~passed[None, :]).any(dim=-1)
+    last = torch.where(on_path, tree.depths, -1).argmax()
+    return last, tree.ancestors[last].nonzero().flatten()  # the step's one host sync
+
+
+def accept_sampled(
+    tokens: torch.Tensor, probs: torch.Tensor, tree: TreeBuffers | StepTree, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless tree sampling: the emitted tokens follow the base's own sampling distribution exactly.
+
+    tokens: (N,) node tokens, root first; probs: (N, V) the base's processed and warped distribution
+    at each node; uniforms: (N,) draws from U[0, 1), one per node. Drafts are point masses, so
+    SpecInfer's recursive rejection reduces to: try the children of the current node in index order,
+    accept child c with probability p(x_c) renormalised over the tokens of the siblings already
+    rejected; when none is accepted (or at a leaf) sample the next token from p with those tokens
+    removed. All nodes are decided at once; the walk is read off like greedy acceptance.
+    Returns the accepted node indices (root first) and the sampled token after the last of them.
+    """
+    n = tokens.shape[0]
+    index = torch.arange(n, device=tokens.device)
+    is_child = index > 0  # the root is its own parent
+    parents = tree.parents
+    earlier = (parents[:, None] == parents[None, :]) & (index[None, :] < index[:, None])
+    earlier &= is_child[:, None] & is_child[None, :]  # [i, j]: j is a sibling tried before i
+    repeated = (earlier & (tokens[:, None] == tokens[None, :])).any(dim=1)  # already rejected: mass 0
+    mass = probs[parents, tokens].masked_fill(repeated, 0.0)  # p_parent(x_i)
+    tried = earlier.to(mass.dtype) @ mass  # mass removed by the rejected siblings before i
+    accepted = uniforms * (1.0 - tried).clamp(min=0.0) < mass
+    chosen = accepted & ~(earlier & accepted[None, :]).any(dim=1)  # the first accepted child of its parent
+    chosen[0] = True
+    last, nodes = _deepest_path(chosen, tree)
+    rejected = (parents == last) & is_child  # every child of the last node was tried and rejected
+    hit = probs.new_zeros(probs.shape[1]).index_add_(0, tokens, rejected.to(probs.dtype)) > 0
+    residual = probs[last].masked_fill(hit, 0.0)
+    residual = torch.where(residual.sum() > 0, residual, probs[last])  # rounding guard; no sync
+    return nodes, torch.multinomial(residual, 1)[0]

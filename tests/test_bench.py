@@ -69,3 +69,12 @@ def test_bench_compares_variants(tmp_path):
     text = (out / "results.md").read_text()
     assert "| clover (lookup 6) |" in text and "accept d6" in text
     assert "clover (lookup 6) step:" in text
+
+
+def test_bench_sampling_runs_clover_and_marks_identity_not_applicable(tmp_path):
+    out = _bench(tmp_path, "first prompt\n", "--max-new-tokens", "10", "--do-sample", "--temperature", "0.8",
+                 "--no-prompt-lookup")
+    results = json.loads((out / "results.json").read_text())
+    assert results["clover"]["steps"] >= 2 and results["clover"]["new_tokens"] == 10  # Clover ran, no fallback
+    text = (out / "results.md").read_text()
+    assert "sampling (temperature 0.8)" in text and "| clover |" in text and "1/1" not in text

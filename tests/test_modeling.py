@@ -135,7 +135,7 @@ def test_bad_config_values():
 @pytest.mark.parametrize(
     "kwargs, reason",
     [
-        (dict(do_sample=True, top_k=5), "sample"),
+        (dict(do_sample=True, num_beams=2), "beam sample"),
         (dict(num_beams=2), "beam"),
         (dict(num_return_sequences=2, num_beams=2), "beam"),
     ],

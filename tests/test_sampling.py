@@ -1,0 +1,138 @@
+"""Clover sampling is lossless: emitted tokens follow the base's own sampling distribution exactly."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from clover_hf import CloverForCausalLM
+from clover_hf.tree import build_tree
+from clover_hf.verification import accept_sampled
+
+from .test_decoding import DRAFTING
+from .tiny import ARCHS, oracle_model, prompt, same, tiny_model
+
+
+def total_variation(counts: Counter, probs: dict, n: int) -> float:
+    keys = set(counts) | set(probs)
+    return 0.5 * sum(abs(counts.get(k, 0) / n - probs.get(k, 0.0)) for k in keys)
+
+
+def test_accept_sampled_follows_the_target_distribution():
+    """Monte Carlo over one step: every emitted prefix has the target's conditional distribution.
+
+    The tree has a lookup chain whose first token repeats a drafted sibling, and the targets put most
+    mass on drafted tokens, so acceptance, renormalisation after rejections and residual sampling all
+    matter (dropping either changes these distributions by more than the tolerance).
+    """
+    g = torch.Generator().manual_seed(0)
+    tree = build_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0]], lookup=2)
+    vocab = 5
+    tokens = torch.empty(tree.num_nodes, dtype=torch.long)
+    tokens[0] = 4
+    tokens[tree.draft_nodes] = torch.tensor([0, 1, 2, 3, 1, 2])  # depth 1: 0 1 2; depth 2: 3 1 | 2
+    tokens[tree.lookup_nodes] = torch.tensor([1, 0])  # repeats drafted token 1 below the root
+    probs = torch.softmax(2.0 * torch.randn(tree.num_nodes, vocab, generator=g), dim=-1)
+    probs[0] = torch.tensor([0.30, 0.25, 0.20, 0.05, 0.20])
+    n = 12000
+    first, second = Counter(), {}
+    torch.manual_seed(1)
+    for _ in range(n):
+        nodes, bonus = accept_sampled(tokens, probs, tree, torch.rand(tree.num_nodes))
+        emitted = tokens[nodes[1:]].tolist() + [int(bonus)]
+        first[emitted[0]] += 1
+        if len(nodes) > 1:  # the first token was a drafted child: the second follows that node's target
+            second.setdefault(int(nodes[1]), Counter())[emitted[1]] += 1
+    assert total_variation(first, dict(enumerate(probs[0].tolist())), n) < 0.02
+    # the first node holding each token answers for it (a repeat is never accepted)
+    children = {int(tokens[c]): int(c) for c in reversed(range(1, tree.num_nodes)) if int(tree.parents[c]) == 0}
+    assert set(second) == set(children.values())
+    for node, counts in second.items():
+        m = sum(counts.values())
+        assert total_variation(counts, dict(enumerate(probs[node].tolist())), m) < 4.0 / m**0.5
+
+
+def test_accept_sampled_with_one_hot_targets_is_greedy():
+    tree = build_tree([[0], [1], [0, 0], [1, 0]])
+    tokens = torch.tensor([9, 3, 5, 7, 2])
+    targets = torch.tensor([5, 1, 2, 0, 0])  # the root wants 5 (node 2), node 2 wants 2 (node 4)
+    probs = torch.nn.functional.one_hot(targets, 10).float()
+    for _ in range(20):
+        nodes, bonus = accept_sampled(tokens, probs, tree, torch.rand(5))
+        assert nodes.tolist() == [0, 2, 4] and int(bonus) == 0
+
+
+def exact_three_token_distribution(base, ids, temperature: float, top_k: int) -> dict[tuple[int, ...], float]:
+    """P(x1, x2, x3 | prompt) under temperature + top-k sampling, by enumerating the top-k tree."""
+
+    def dist(prefix: torch.Tensor) -> torch.Tensor:
+        logits = base(prefix).logits[0, -1] / temperature
+        kth = logits.topk(top_k).values[-1]
+        return torch.softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+
+    out: dict[tuple[int, ...], float] = {}
+    with torch.no_grad():
+        frontier = [((), 1.0)]
+        for _ in range(3):
+            nxt = []
+            for seq, p in frontier:
+                q = dist(torch.cat([ids, torch.tensor([seq], dtype=torch.long)], dim=1) if seq else ids)
+                for t in q.nonzero().flatten().tolist():
+                    nxt.append((seq + (t,), p * float(q[t])))
+            frontier = nxt
+    out.update(frontier)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_clover_sampling_matches_the_base_distribution(arch):
+    """End to end: 3-token continuations sampled by Clover (oracle heads drafting the greedy path, so
+    drafts are often but not always accepted) against the exact distribution of base sampling."""
+    base = tiny_model(arch)
+    ids = prompt(5, length=8)
+    ref = base.generate(ids, max_new_tokens=12, do_sample=False)
+    clover = oracle_model(base, ref)
+    # low temperature keeps the drafted (greedy) token likely, so both acceptance and rejection occur
+    settings = dict(do_sample=True, temperature=0.7, top_k=2, max_new_tokens=3)
+    exact = exact_three_token_distribution(base, ids, settings["temperature"], settings["top_k"])
+    n, counts, accepted = 400, Counter(), []
+    torch.manual_seed(0)
+    for _ in range(n):
+        out = clover.generate(ids, **settings)
+        counts[tuple(out[0, ids.shape[1]:].tolist())] += 1
+        accepted += clover.generation_stats.accepted_lengths
+    assert 0 in accepted and max(accepted) >= 2  # rejections and multi-token acceptances both happened
+    assert set(counts) <= set(exact)  # never a continuation the base cannot sample
+    # chi-square with the rare continuations (expected count < 5) pooled into one cell
+    rare = [k for k, p in exact.items() if n * p < 5]
+    cells = [(counts.get(k, 0), n * p) for k, p in exact.items() if k not in rare]
+    cells.append((sum(counts.get(k, 0) for k in rare), n * sum(exact[k] for k in rare)))
+    chi2 = sum((o - e) ** 2 / e for o, e in cells if e > 0)
+    limit = len(cells) + 6 * (2 * len(cells)) ** 0.5  # about six standard deviations above the mean
+    assert chi2 < limit, f"chi-square {chi2:.1f} over {len(cells)} cells"
+
+
+@pytest.mark.parametrize("drafting", list(DRAFTING))
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_top_k_1_sampling_is_greedy(arch, drafting):
+    """Sampling with top_k=1 is deterministic: Clover's sampling path must reproduce greedy output."""
+    base = tiny_model(arch)
+    clover = CloverForCausalLM.from_base(base)
+    ids = prompt(2)
+    ref = base.generate(ids, max_new_tokens=40, do_sample=False)
+    out = clover.generate(ids, max_new_tokens=40, do_sample=True, top_k=1, **DRAFTING[drafting])
+    assert same(out, ref)
+    assert clover.generation_stats is not None  # ran through Clover, no fallback
+
+
+def test_sampling_is_reproducible_with_the_seed():
+    base = tiny_model("llama")
+    clover = CloverForCausalLM.from_base(base)
+    ids = prompt(4)
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        runs.append(clover.generate(ids, max_new_tokens=30, do_sample=True, temperature=1.0))
+    assert same(runs[0], runs[1]) and not same(runs[0], runs[2])
