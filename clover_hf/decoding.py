@@ -18,7 +18,7 @@ from .cache import compact_cache, new_cache
 from .heads import CloverHeads
 from .lookup import lookup_continuation
 from .tree import DynamicTree, StepTree, TreeBuffers, build_tree, select_dynamic, with_chain
-from .verification import MaskLayout, accept_greedy, accept_sampled, process_tree_logits
+from .verification import MaskLayout, accept_greedy, accept_sampled, process_tree_logits, sample_token
 
 
 @dataclass
@@ -186,7 +186,7 @@ def clover_generate(
     stats.steps += 1
     scores = logits_processor(input_ids, logits[-1:])
     sample = bool(generation_config.do_sample)
-    root = torch.multinomial(scores[0].softmax(-1), 1)[0] if sample else scores[0].argmax()
+    root = sample_token(scores[0].softmax(-1), torch.rand((), device=device)) if sample else scores[0].argmax()
     _, finished = emitter.emit(root.view(1), scores, logits[-1:])
     next_pos = positions.max() + 1
     if not finished:

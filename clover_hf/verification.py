@@ -7,6 +7,15 @@ from typing import Any
 
 import torch
 from transformers import LogitsProcessorList
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
 
 from .tree import StepTree, TreeBuffers
 
@@ -61,6 +70,21 @@ class MaskLayout:
         return additive_mask(past_positions, new_positions, new_allowed, dtype, self.sliding_window)
 
 
+# transformers' warpers that transform each row of scores on its own, whatever the prefix
+ROW_WISE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
+            EpsilonLogitsWarper, EtaLogitsWarper)
+
+
+def sample_token(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One draw from `probs` (V,), unnormalised, by inverting its CDF at `uniform` in [0, 1).
+
+    Exact like `torch.multinomial`, and about 20x faster on CPU for a 49k vocabulary.
+    """
+    cdf = probs.double().cumsum(0)
+    index = torch.searchsorted(cdf, uniform.double() * cdf[-1], right=True)  # never a zero-mass token
+    return index.clamp(max=probs.shape[0] - 1)
+
+
 def process_tree_logits(
     logits: torch.Tensor,  # (N, V) float32 raw logits at each node
     input_ids: torch.Tensor,  # (1, L) emitted tokens, the root last
@@ -68,15 +92,24 @@ def process_tree_logits(
     tree: TreeBuffers | StepTree,
     logits_processor: LogitsProcessorList,
 ) -> torch.Tensor:
-    """Apply the logits processors to every node with that node's own prefix (one call per depth)."""
+    """Apply the logits processors to every node with that node's own prefix.
+
+    Processors that read the prefix run once per depth; the sampling warpers, which only look at each
+    row's own scores, run once over all nodes. The list's order is kept.
+    """
     if not logits_processor:
         return logits
-    scores = torch.empty_like(logits)
-    for depth, (start, end) in enumerate(tree.depth_ranges):
-        n = end - start
-        path = tokens[tree.node_paths[start:end, :depth]]  # (n, depth) tokens below the root
-        ids = torch.cat([input_ids.expand(n, -1), path], dim=1)
-        scores[start:end] = logits_processor(ids, logits[start:end])
+    scores = logits
+    for processor in logits_processor:
+        if isinstance(processor, ROW_WISE):
+            scores = processor(input_ids.expand(scores.shape[0], -1), scores)
+            continue
+        out = torch.empty_like(scores)
+        for depth, (start, end) in enumerate(tree.depth_ranges):
+            path = tokens[tree.node_paths[start:end, :depth]]  # (n, depth) tokens below the root
+            ids = torch.cat([input_ids.expand(end - start, -1), path], dim=1)
+            out[start:end] = processor(ids, scores[start:end])
+        scores = out
     return scores
 
 
@@ -108,11 +141,11 @@ def accept_sampled(
     """Lossless tree sampling: the emitted tokens follow the base's own sampling distribution exactly.
 
     tokens: (N,) node tokens, root first; probs: (N, V) the base's processed and warped distribution
-    at each node; uniforms: (N,) draws from U[0, 1), one per node. Drafts are point masses, so
-    SpecInfer's recursive rejection reduces to: try the children of the current node in index order,
-    accept child c with probability p(x_c) renormalised over the tokens of the siblings already
-    rejected; when none is accepted (or at a leaf) sample the next token from p with those tokens
-    removed. All nodes are decided at once; the walk is read off like greedy acceptance.
+    at each node; uniforms: (N,) draws from U[0, 1), one per node (the root's draws the last token).
+    Drafts are point masses, so SpecInfer's recursive rejection reduces to: try the children of the
+    current node in index order, accept child c with probability p(x_c) renormalised over the tokens
+    of the siblings already rejected; when none is accepted (or at a leaf) sample the next token
+    from p with those tokens removed. All nodes are decided at once; the walk is read off like greedy acceptance.
     Returns the accepted node indices (root first) and the sampled token after the last of them.
     """
     n = tokens.shape[0]
@@ -132,4 +165,4 @@ def accept_sampled(
     hit = probs.new_zeros(probs.shape[1]).index_add_(0, tokens, rejected.to(probs.dtype)) > 0
     residual = probs[last].masked_fill(hit, 0.0)
     residual = torch.where(residual.sum() > 0, residual, probs[last])  # rounding guard; no sync
-    return nodes, torch.multinomial(residual, 1)[0]
+    return nodes, sample_token(residual, uniforms[0])  # the root's draw is free: no acceptance uses it

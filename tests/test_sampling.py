@@ -9,7 +9,7 @@ import torch
 
 from clover_hf import CloverForCausalLM
 from clover_hf.tree import build_tree
-from clover_hf.verification import accept_sampled
+from clover_hf.verification import accept_sampled, process_tree_logits, sample_token
 
 from .test_decoding import DRAFTING
 from .tiny import ARCHS, oracle_model, prompt, same, tiny_model
@@ -136,3 +136,31 @@ def test_sampling_is_reproducible_with_the_seed():
         torch.manual_seed(seed)
         runs.append(clover.generate(ids, max_new_tokens=30, do_sample=True, temperature=1.0))
     assert same(runs[0], runs[1]) and not same(runs[0], runs[2])
+
+
+def test_sample_token_is_exact_and_skips_zero_mass():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    draws = torch.stack([sample_token(probs * 7.0, u) for u in torch.rand(6000, generator=torch.Generator().manual_seed(3))])
+    freq = torch.bincount(draws, minlength=6).float() / 6000
+    assert freq[[0, 2, 5]].sum() == 0  # zero-mass tokens never come out, even unnormalised
+    assert (freq - probs).abs().max() < 0.025
+    assert int(sample_token(probs, torch.tensor(0.0))) == 1 and int(sample_token(probs, torch.tensor(0.9999))) == 4
+
+
+def test_tree_processors_match_per_node_application():
+    """Warpers run once over all nodes, prefix readers per depth: same scores as one call per node."""
+    from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                              TopKLogitsWarper, TopPLogitsWarper)
+
+    tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]], lookup=2)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(tree.num_nodes, 40, generator=g) * 3
+    tokens = torch.randint(0, 40, (tree.num_nodes,), generator=g)
+    input_ids = torch.randint(0, 40, (1, 12), generator=g)
+    procs = LogitsProcessorList([TemperatureLogitsWarper(0.7), RepetitionPenaltyLogitsProcessor(1.5),
+                                 TopKLogitsWarper(8), TopPLogitsWarper(0.9)])
+    fast = process_tree_logits(logits, input_ids, tokens, tree, procs)
+    for i in range(tree.num_nodes):
+        path = [int(tokens[j]) for j in tree.ancestors[i].nonzero().flatten()[1:]]  # below the root
+        ids = torch.cat([input_ids, torch.tensor([path], dtype=torch.long)], dim=1)
+        assert torch.equal(fast[i], procs(ids, logits[i : i + 1])[0])
