@@ -80,9 +80,11 @@ def sample_token(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
     Exact like `torch.multinomial`, and about 20x faster on CPU for a 49k vocabulary.
     """
-    cdf = probs.double().cumsum(0)
-    index = torch.searchsorted(cdf, uniform.double() * cdf[-1], right=True)  # never a zero-mass token
-    return index.clamp(max=probs.shape[0] - 1)
+    cdf = probs.cumsum(0)
+    index = torch.searchsorted(cdf, uniform * cdf[-1], right=True)  # right: never a zero-mass token
+    positions = torch.arange(probs.shape[0], device=probs.device)
+    last = torch.where(probs > 0, positions, -1).argmax()  # where rounding puts u * total at the end
+    return torch.minimum(index, last)
 
 
 def process_tree_logits(

@@ -145,6 +145,7 @@ def test_sample_token_is_exact_and_skips_zero_mass():
     assert freq[[0, 2, 5]].sum() == 0  # zero-mass tokens never come out, even unnormalised
     assert (freq - probs).abs().max() < 0.025
     assert int(sample_token(probs, torch.tensor(0.0))) == 1 and int(sample_token(probs, torch.tensor(0.9999))) == 4
+    assert int(sample_token(probs, torch.tensor(1 - 2**-24))) == 4  # rounding at the top end: last nonzero token
 
 
 def test_tree_processors_match_per_node_application():
