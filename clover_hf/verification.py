@@ -102,17 +102,27 @@ def process_tree_logits(
     if not logits_processor:
         return logits
     scores = logits
+    prefixes = None  # each depth's node prefixes, built once, when a processor first reads them
     for processor in logits_processor:
         if isinstance(processor, ROW_WISE):
             scores = processor(input_ids.expand(scores.shape[0], -1), scores)
             continue
+        if prefixes is None:
+            prefixes = _depth_prefixes(input_ids, tokens, tree)
         out = torch.empty_like(scores)
-        for depth, (start, end) in enumerate(tree.depth_ranges):
-            path = tokens[tree.node_paths[start:end, :depth]]  # (n, depth) tokens below the root
-            ids = torch.cat([input_ids.expand(end - start, -1), path], dim=1)
+        for (start, end), ids in zip(tree.depth_ranges, prefixes):
             out[start:end] = processor(ids, scores[start:end])
         scores = out
     return scores
+
+
+def _depth_prefixes(input_ids: torch.Tensor, tokens: torch.Tensor, tree: TreeBuffers | StepTree) -> list[torch.Tensor]:
+    """Per depth, the (n, L + depth) token prefixes of that depth's nodes: the text, then their path."""
+    prefixes = []
+    for depth, (start, end) in enumerate(tree.depth_ranges):
+        path = tokens[tree.node_paths[start:end, :depth]]  # (n, depth) tokens below the root
+        prefixes.append(torch.cat([input_ids.expand(end - start, -1), path], dim=1))
+    return prefixes
 
 
 def accept_greedy(
