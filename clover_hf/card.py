@@ -113,6 +113,8 @@ def tree_summary(config: CloverConfig) -> str:
         text = f"static, {len(config.tree)} nodes, depth {max(len(p) for p in config.tree)}"
     if config.lookup_tokens:
         text += f", plus a prompt-lookup chain of up to {config.lookup_tokens} tokens"
+        if config.lookup_max_tokens > config.lookup_tokens:
+            text += f" (doubling up to {config.lookup_max_tokens} while the text copies earlier text)"
     return text
 
 

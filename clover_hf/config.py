@@ -79,6 +79,11 @@ class CloverConfig:
     lookup_tokens: int = field(
         default=0, metadata={"help": "Prompt-lookup chain added below the tree's root (0: heads only)."}
     )
+    lookup_max_tokens: int = field(
+        default=0,
+        metadata={"help": "While the text copies earlier text (a whole chain accepted), the next chain doubles, "
+                          "up to this length (0: the chain stays lookup_tokens long)."},
+    )
     model_type: str = field(default="clover", metadata={"help": "Marks a Clover heads config."})
 
     def __post_init__(self) -> None:
@@ -109,6 +114,8 @@ class CloverConfig:
             self.dynamic_tree = {"depth": spec.depth, "width": spec.width, "nodes": spec.nodes}
         if self.lookup_tokens < 0:
             raise ValueError(f"lookup_tokens must be >= 0, got {self.lookup_tokens}")
+        if self.lookup_max_tokens < 0:
+            raise ValueError(f"lookup_max_tokens must be >= 0, got {self.lookup_max_tokens}")
         if self.model_type != "clover":
             raise ValueError(f"not a Clover heads config (model_type={self.model_type!r}, expected 'clover')")
         if self.tree is None:

@@ -129,6 +129,7 @@ def clover_generate(
     clover_heads: CloverHeads | None = None,
     clover_tree: list[list[int]] | DynamicTree | dict | None = None,
     clover_lookup: int | None = None,
+    clover_lookup_max: int | None = None,
     clover_streamer: object | None = None,
     clover_stats: GenerationStats | None = None,
     clover_profile: bool = False,
@@ -137,8 +138,9 @@ def clover_generate(
     """Clover decoding (greedy or sampling) for one sequence; the signature is transformers'
     `custom_generate` contract. Sampling draws from the global torch RNG (`torch.manual_seed`).
 
-    `clover_tree` (static paths, or a `DynamicTree` / its dict) and `clover_lookup` (prompt-lookup
-    chain length) default to the heads' config.
+    `clover_tree` (static paths, or a `DynamicTree` / its dict), `clover_lookup` (prompt-lookup
+    chain length) and `clover_lookup_max` (the length a chain may grow to while the text keeps
+    copying) default to the heads' config.
     `generate` does not hand its `streamer` to custom callables, so it arrives as `clover_streamer`.
     `clover_profile=True` records wall time per stage in `stats.stage_seconds`.
     """
@@ -149,8 +151,9 @@ def clover_generate(
     heads, device = clover_heads, input_ids.device
     spec = _tree_spec(clover_tree, heads.config)
     lookup = heads.config.lookup_tokens if clover_lookup is None else clover_lookup
+    lookup_max = max(lookup, heads.config.lookup_max_tokens if clover_lookup_max is None else clover_lookup_max)
     # static trees are compiled once per lookup chain length
-    trees = None if isinstance(spec, DynamicTree) else [build_tree(spec, device, lookup=m) for m in range(lookup + 1)]
+    trees = None if isinstance(spec, DynamicTree) else [build_tree(spec, device, lookup=m) for m in range(lookup_max + 1)]
     depth = spec.depth if trees is None else len(trees[0].levels)
     if depth > heads.config.num_heads:
         raise ValueError(f"the tree is {depth} deep but the heads draft {heads.config.num_heads} tokens")
@@ -197,9 +200,10 @@ def clover_generate(
         feature = features[0, -1]
 
     clock = _Clock(stats.stage_seconds if clover_profile else None, device)
+    chain_len = lookup
     while not finished:
         # Draft, then verify the whole tree in one forward over the cache.
-        chain = lookup_continuation(emitter.input_ids[0], lookup) if lookup else root.new_empty(0)
+        chain = lookup_continuation(emitter.input_ids[0], chain_len) if chain_len else root.new_empty(0)
         tokens, tree = _draft_tree(heads, feature, root, spec, trees, chain, embed, lm_weight, lm_bias)
         clock.lap("draft")
         past_len = positions.shape[0]
@@ -225,6 +229,9 @@ def clover_generate(
         positions = torch.cat([positions, node_pos[kept]])
         next_pos = next_pos + n
         root = bonus
+        # while the text copies earlier text, let the next chain reach further (as HF's assistant heuristic)
+        copied = 0 < chain.shape[0] < n and torch.equal(new[: chain.shape[0]], chain)
+        chain_len = min(2 * chain_len, lookup_max) if copied else lookup
         clock.lap("emit + compact")
         if not finished:
             features, aug_cache = heads.features(

@@ -204,14 +204,16 @@ class CloverForCausalLM(nn.Module):
         generation_config: GenerationConfig | None = None,
         tree: list[list[int]] | dict | None = None,
         lookup: int | None = None,
+        lookup_max: int | None = None,
         **kwargs: Any,
     ) -> Any:
         """`generate` of the base, with greedy decoding and sampling run by Clover. Same arguments; the
         same output when greedy, the same distribution of outputs when sampling.
 
         `tree` overrides the heads' draft tree for this call (Medusa paths, or a dynamic tree as
-        `{"depth": 4, "width": 4, "nodes": 16}`) and `lookup` the length of the prompt-lookup chain
-        verified with it (0: heads only). Modes Clover does not run yet fall back
+        `{"depth": 4, "width": 4, "nodes": 16}`), `lookup` the length of the prompt-lookup chain
+        verified with it (0: heads only) and `lookup_max` the length the chain doubles up to after a
+        step that accepted all of it. Modes Clover does not run yet fall back
         to the base's own `generate`, with a warning saying why.
         """
         reason = self._unsupported_reason(inputs, generation_config, kwargs)
@@ -230,6 +232,7 @@ class CloverForCausalLM(nn.Module):
             clover_heads=self.clover_heads,
             clover_tree=tree,
             clover_lookup=lookup,
+            clover_lookup_max=lookup_max,
             clover_streamer=streamer,
             clover_stats=stats,
             **kwargs,

@@ -26,6 +26,8 @@ def main() -> None:
     parser.add_argument("--tree-size", type=int, default=None, help="reshape the tree from the measured ranks")
     parser.add_argument("--tree", type=json.loads, default=None, help="ship this static tree (Medusa paths, JSON)")
     parser.add_argument("--lookup", type=int, default=None, help="prompt-lookup chain length to ship (lookup_tokens)")
+    parser.add_argument("--lookup-max", type=int, default=None,
+                        help="length the chain doubles up to while the text copies (lookup_max_tokens)")
     parser.add_argument("--dynamic-tree", type=json.loads, default=None,
                         help='ship a dynamic tree, e.g. \'{"depth": 4, "width": 4, "nodes": 16}\'')
     parser.add_argument("--note", action="append", default=[], help="a line for the card's training facts")
@@ -42,6 +44,8 @@ def main() -> None:
         heads.config.tree = validate_tree(args.tree, heads.config.num_heads)
     if args.lookup is not None:
         heads.config.lookup_tokens = args.lookup
+    if args.lookup_max is not None:
+        heads.config.lookup_max_tokens = args.lookup_max
     if args.dynamic_tree is not None:
         heads.config.dynamic_tree = args.dynamic_tree
     heads.config.__post_init__()  # validate the settings just changed

@@ -46,6 +46,8 @@ def test_tree_with_lookup_chain():
         build_tree([[0]], lookup=-1)
     with pytest.raises(ValueError, match="lookup_tokens"):
         CloverConfig(hidden_size=8, vocab_size=16, num_attention_heads=2, lookup_tokens=-2)
+    with pytest.raises(ValueError, match="lookup_max_tokens"):
+        CloverConfig(hidden_size=8, vocab_size=16, num_attention_heads=2, lookup_max_tokens=-1)
 
 
 def test_lookup_chain_is_accepted_beyond_the_heads_depth():
@@ -61,6 +63,26 @@ def test_lookup_chain_is_accepted_beyond_the_heads_depth():
     assert same(out, ref) and same(heads_only, ref)
     assert max(stats.accepted_lengths) > clover.clover_config.num_heads
     assert stats.tokens_per_step > tps_heads
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+def test_lookup_chain_grows_while_the_text_copies(arch):
+    """A chain accepted whole doubles next step (up to lookup_max): longer accepts, output unchanged."""
+    base = tiny_model(arch)
+    ids = prompt(2)
+    ref = base.generate(ids, max_new_tokens=60, do_sample=False)
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=2)
+    fixed = clover.generate(ids, max_new_tokens=60, do_sample=False)
+    fixed_stats = clover.generation_stats
+    grown = clover.generate(ids, max_new_tokens=60, do_sample=False, lookup_max=16)
+    stats = clover.generation_stats
+    assert same(fixed, ref) and same(grown, ref)
+    assert max(fixed_stats.accepted_lengths) <= clover.clover_config.num_heads
+    assert max(stats.accepted_lengths) > 8  # only a chain grown from 2 past 4 and 8 reaches this far
+    assert stats.steps < fixed_stats.steps
+    # from the config too, and with sampling at top_k=1 (the greedy output)
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=2, lookup_max_tokens=16)
+    assert same(clover.generate(ids, max_new_tokens=60, do_sample=True, top_k=1), ref)
 
 
 def test_lookup_from_config_and_with_oracle_heads():

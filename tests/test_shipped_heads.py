@@ -14,7 +14,11 @@ def _shipped_and_untrained(converted) -> tuple[CloverForCausalLM, CloverForCausa
     model = CloverForCausalLM.from_pretrained(shipped_heads_path(), base_model=str(converted), dtype=torch.float32)
     assert model.clover_config.base_model_name_or_path == "HuggingFaceTB/SmolLM2-135M-Instruct"
     torch.manual_seed(0)
-    untrained = CloverForCausalLM.from_base(model.base_model, lookup_tokens=model.clover_config.lookup_tokens)
+    untrained = CloverForCausalLM.from_base(
+        model.base_model,
+        lookup_tokens=model.clover_config.lookup_tokens,
+        lookup_max_tokens=model.clover_config.lookup_max_tokens,
+    )
     return model, untrained, AutoTokenizer.from_pretrained(converted)
 
 
