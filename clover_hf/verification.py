@@ -157,24 +157,37 @@ def accept_sampled(
     Drafts are point masses, so SpecInfer's recursive rejection reduces to: try the children of the
     current node in index order, accept child c with probability p(x_c) renormalised over the tokens
     of the siblings already rejected; when none is accepted (or at a leaf) sample the next token
-    from p with those tokens removed. All nodes are decided at once; the walk is read off like greedy acceptance.
+    from p with those tokens removed. Nodes whose paths carry the same tokens (a lookup chain that
+    repeats drafted tokens) are one node of the tree, so their children are all tried below it.
+    All nodes are decided at once; the walk is read off like greedy acceptance.
     Returns the accepted node indices (root first) and the sampled token after the last of them.
     """
     n = tokens.shape[0]
     index = torch.arange(n, device=tokens.device)
-    is_child = index > 0  # the root is its own parent
-    parents = tree.parents
+    first = _first_with_same_path(tokens, tree)
+    parents = first[tree.parents]  # a repeat's children hang below the first node with its path
+    is_child = (index > 0) & (first == index)  # one child per distinct path; the root is its own parent
     earlier = (parents[:, None] == parents[None, :]) & (index[None, :] < index[:, None])
     earlier &= is_child[:, None] & is_child[None, :]  # [i, j]: j is a sibling tried before i
-    repeated = (earlier & (tokens[:, None] == tokens[None, :])).any(dim=1)  # already rejected: mass 0
-    mass = probs[parents, tokens].masked_fill(repeated, 0.0)  # p_parent(x_i)
+    mass = probs[parents, tokens]  # p_parent(x_i)
     tried = earlier.to(mass.dtype) @ mass  # mass removed by the rejected siblings before i
-    accepted = uniforms * (1.0 - tried).clamp(min=0.0) < mass
+    accepted = is_child & (uniforms * (1.0 - tried).clamp(min=0.0) < mass)
     chosen = accepted & ~(earlier & accepted[None, :]).any(dim=1)  # the first accepted child of its parent
     chosen[0] = True
-    last, nodes = _deepest_path(chosen, tree)
+    last, nodes = _deepest_path(chosen[first], tree)  # a repeat stands or falls with its first
+    last = first[last]
     rejected = (parents == last) & is_child  # every child of the last node was tried and rejected
     hit = probs.new_zeros(probs.shape[1]).index_add_(0, tokens, rejected.to(probs.dtype)) > 0
     residual = probs[last].masked_fill(hit, 0.0)
     residual = torch.where(residual.sum() > 0, residual, probs[last])  # rounding guard; no sync
     return nodes, sample_token(residual, uniforms[0])  # the root's draw is free: no acceptance uses it
+
+
+def _first_with_same_path(tokens: torch.Tensor, tree: TreeBuffers | StepTree) -> torch.Tensor:
+    """(N,) for each node, the first node whose path from the root carries the same tokens (often itself)."""
+    n = tokens.shape[0]
+    levels = torch.arange(1, n, device=tokens.device)  # n bounds the depth: no host sync to find it
+    at = tree.ancestors[:, None, :] & (tree.depths[None, None, :] == levels[None, :, None])  # (N, n-1, N)
+    paths = torch.where(at.any(dim=-1), tokens[at.int().argmax(dim=-1)], -1)  # tokens by depth, -1 past the end
+    same = (paths[:, None, :] == paths[None, :, :]).all(dim=-1)  # equal paths have equal depths
+    return same.int().argmax(dim=1)

@@ -20,6 +20,7 @@ ALL = list(ARCHS)
 DRAFTING = {  # every way of drafting: the static tree, a lookup chain, a dynamic tree, both
     "static": {},
     "lookup": {"lookup": 8},
+    "lookup grows": {"lookup": 2, "lookup_max": 12},
     "dynamic": {"tree": {"depth": 3, "width": 3, "nodes": 10}},
     "dynamic+lookup": {"tree": {"depth": 3, "width": 3, "nodes": 10}, "lookup": 6},
 }

@@ -83,6 +83,7 @@ def test_lookup_chain_grows_while_the_text_copies(arch):
     # from the config too, and with sampling at top_k=1 (the greedy output)
     clover = CloverForCausalLM.from_base(base, lookup_tokens=2, lookup_max_tokens=16)
     assert same(clover.generate(ids, max_new_tokens=60, do_sample=True, top_k=1), ref)
+    assert clover.generation_stats.steps == stats.steps  # repeats of drafted paths merged: no chain lost
 
 
 def test_lookup_from_config_and_with_oracle_heads():

@@ -21,37 +21,43 @@ def total_variation(counts: Counter, probs: dict, n: int) -> float:
 
 
 def test_accept_sampled_follows_the_target_distribution():
-    """Monte Carlo over one step: every emitted prefix has the target's conditional distribution.
+    """Monte Carlo over one step: after every emitted prefix the next token has the target's distribution.
 
-    The tree has a lookup chain whose first token repeats a drafted sibling, and the targets put most
-    mass on drafted tokens, so acceptance, renormalisation after rejections and residual sampling all
-    matter (dropping either changes these distributions by more than the tolerance).
+    The tree's lookup chain repeats a drafted token below the root and then goes on past the heads'
+    depth, so acceptance, renormalisation after rejections, residual sampling and the merging of
+    repeated paths all matter (dropping any of them changes these distributions beyond the tolerance).
     """
     g = torch.Generator().manual_seed(0)
-    tree = build_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0]], lookup=2)
+    tree = build_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0]], lookup=3)
     vocab = 5
     tokens = torch.empty(tree.num_nodes, dtype=torch.long)
     tokens[0] = 4
     tokens[tree.draft_nodes] = torch.tensor([0, 1, 2, 3, 1, 2])  # depth 1: 0 1 2; depth 2: 3 1 | 2
-    tokens[tree.lookup_nodes] = torch.tensor([1, 0])  # repeats drafted token 1 below the root
+    tokens[tree.lookup_nodes] = torch.tensor([1, 0, 3])  # repeats drafted token 1, then 0 and 3 below it
     probs = torch.softmax(2.0 * torch.randn(tree.num_nodes, vocab, generator=g), dim=-1)
-    probs[0] = torch.tensor([0.30, 0.25, 0.20, 0.05, 0.20])
+    probs[0] = torch.tensor([0.20, 0.40, 0.15, 0.05, 0.20])
+    paths = {}  # the tokens on each node's path -> the first node with that path
+    for node in range(tree.num_nodes):
+        path = tuple(int(tokens[i]) for i in tree.ancestors[node].nonzero().flatten()[1:])
+        paths.setdefault(path, node)
+    probs[paths[(1,)], 0] += 2.0  # make the chain's continuation below the repeated token likely
+    probs[int(tree.lookup_nodes[1]), 3] += 2.0
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    probs[int(tree.lookup_nodes[0])] = probs[paths[(1,)]]  # one prefix, one distribution, as from the base
     n = 12000
-    first, second = Counter(), {}
+    following: dict[tuple[int, ...], Counter] = {}
     torch.manual_seed(1)
     for _ in range(n):
         nodes, bonus = accept_sampled(tokens, probs, tree, torch.rand(tree.num_nodes))
         emitted = tokens[nodes[1:]].tolist() + [int(bonus)]
-        first[emitted[0]] += 1
-        if len(nodes) > 1:  # the first token was a drafted child: the second follows that node's target
-            second.setdefault(int(nodes[1]), Counter())[emitted[1]] += 1
-    assert total_variation(first, dict(enumerate(probs[0].tolist())), n) < 0.02
-    # the first node holding each token answers for it (a repeat is never accepted)
-    children = {int(tokens[c]): int(c) for c in reversed(range(1, tree.num_nodes)) if int(tree.parents[c]) == 0}
-    assert set(second) == set(children.values())
-    for node, counts in second.items():
+        assert tuple(emitted) not in paths  # the last token is never one the tree offered there
+        for k in range(len(emitted)):
+            following.setdefault(tuple(emitted[:k]), Counter())[emitted[k]] += 1
+    assert (1, 0, 3) in following  # the chain was followed below the repeated token, to depth 3
+    for prefix, counts in following.items():
         m = sum(counts.values())
-        assert total_variation(counts, dict(enumerate(probs[node].tolist())), m) < 4.0 / m**0.5
+        target = dict(enumerate(probs[paths[prefix]].tolist()))
+        assert total_variation(counts, target, m) < (0.02 if not prefix else 4.0 / m**0.5), prefix
 
 
 def test_accept_sampled_with_one_hot_targets_is_greedy():
@@ -125,6 +131,9 @@ def test_top_k_1_sampling_is_greedy(arch, drafting):
     out = clover.generate(ids, max_new_tokens=40, do_sample=True, top_k=1, **DRAFTING[drafting])
     assert same(out, ref)
     assert clover.generation_stats is not None  # ran through Clover, no fallback
+    sampled_steps = clover.generation_stats.steps
+    clover.generate(ids, max_new_tokens=40, do_sample=False, **DRAFTING[drafting])
+    assert sampled_steps == clover.generation_stats.steps  # one-hot targets accept what greedy accepts
 
 
 def test_sampling_is_reproducible_with_the_seed():
