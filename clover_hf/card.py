@@ -114,7 +114,7 @@ def tree_summary(config: CloverConfig) -> str:
     if config.lookup_tokens:
         text += f", plus a prompt-lookup chain of up to {config.lookup_tokens} tokens"
         if config.lookup_max_tokens > config.lookup_tokens:
-            text += f" (doubling up to {config.lookup_max_tokens} while the text copies earlier text)"
+            text += f" that doubles up to {config.lookup_max_tokens} while the text copies earlier text"
     return text
 
 

@@ -111,3 +111,11 @@ def test_lookup_with_processors_and_lengths(processors, max_new_tokens):
         ids, max_new_tokens=max_new_tokens, do_sample=False, lookup=6, **processors
     )
     assert same(out, ref)
+
+
+def test_growing_chain_is_named_on_the_card():
+    from clover_hf.card import tree_summary
+
+    config = CloverConfig(hidden_size=8, vocab_size=16, num_attention_heads=2, lookup_tokens=5, lookup_max_tokens=20)
+    assert tree_summary(config).endswith("a prompt-lookup chain of up to 5 tokens that doubles up to 20 while the text copies earlier text")
+    assert "doubles" not in tree_summary(CloverConfig(hidden_size=8, vocab_size=16, num_attention_heads=2, lookup_tokens=5))
