@@ -134,7 +134,10 @@ class CloverConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown CloverConfig fields {unknown}; known fields: {sorted(known)}")
+            raise ValueError(
+                f"unknown CloverConfig fields {unknown}; known fields: {sorted(known)}. Heads saved by a newer "
+                "clover-hf need it: pip install -U clover-hf"
+            )
         return cls(**data)
 
     def save(self, directory: str | Path) -> Path:
