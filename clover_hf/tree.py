@@ -182,6 +182,7 @@ class StepTree:
     depths: torch.Tensor  # (N,)
     parents: torch.Tensor  # (N,) the root is its own parent
     ancestors: torch.Tensor  # (N, N) bool: node i may attend to node j
+    max_depth: int  # no node is deeper (known to the caller, so reading the depths needs no host sync)
 
     @classmethod
     def from_parents(cls, parents: torch.Tensor, depths: torch.Tensor, max_depth: int) -> "StepTree":
@@ -191,7 +192,7 @@ class StepTree:
         for _ in range(max_depth):  # pointer jumping, no host sync: the root points at itself
             ancestors[rows, up] = True
             up = parents[up]
-        return cls(depths, parents, ancestors)
+        return cls(depths, parents, ancestors, max_depth)
 
     @property
     def num_nodes(self) -> int:
@@ -205,8 +206,8 @@ class StepTree:
 
     @cached_property
     def node_paths(self) -> torch.Tensor:
-        """(N, D): the node at depths 1..D on each node's path (0 past its own depth)."""
-        levels = torch.arange(1, int(self.depths.max()) + 1, device=self.depths.device)
+        """(N, max_depth): the node at depths 1..max_depth on each node's path (0 past its own depth)."""
+        levels = torch.arange(1, self.max_depth + 1, device=self.depths.device)
         at = self.ancestors[:, None, :] & (self.depths[None, None, :] == levels[None, :, None])  # (N, D, N)
         return at.int().argmax(dim=-1)
 

@@ -185,9 +185,6 @@ def accept_sampled(
 
 def _first_with_same_path(tokens: torch.Tensor, tree: TreeBuffers | StepTree) -> torch.Tensor:
     """(N,) for each node, the first node whose path from the root carries the same tokens (often itself)."""
-    n = tokens.shape[0]
-    levels = torch.arange(1, n, device=tokens.device)  # n bounds the depth: no host sync to find it
-    at = tree.ancestors[:, None, :] & (tree.depths[None, None, :] == levels[None, :, None])  # (N, n-1, N)
-    paths = torch.where(at.any(dim=-1), tokens[at.int().argmax(dim=-1)], -1)  # tokens by depth, -1 past the end
-    same = (paths[:, None, :] == paths[None, :, :]).all(dim=-1)  # equal paths have equal depths
+    paths = tokens[tree.node_paths]  # (N, D) tokens at depths 1..D; past a node's depth, the root's token
+    same = (tree.depths[:, None] == tree.depths[None, :]) & (paths[:, None, :] == paths[None, :, :]).all(dim=-1)
     return same.int().argmax(dim=1)
