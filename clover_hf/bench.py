@@ -64,59 +64,85 @@ def _timed(fn) -> tuple[torch.Tensor, float]:
     return out, time.perf_counter() - start
 
 
+def _generated_lengths(out: torch.Tensor, prompt_len: int, eos: set[int]) -> list[int]:
+    """Tokens each row generated: up to and including its first end-of-sequence token (the rest is padding)."""
+    lengths = []
+    for row in out[:, prompt_len:].tolist():
+        ends = [i for i, t in enumerate(row) if t in eos]
+        lengths.append(ends[0] + 1 if ends else len(row))
+    return lengths
+
+
+def encode_batches(tokenizer, prompts: list[str], batch_size: int, device) -> list[dict[str, torch.Tensor]]:
+    """Chat-formatted prompts as `generate` inputs; batches are left-padded with their attention mask."""
+    chats = [[{"role": "user", "content": p}] for p in prompts]
+    if batch_size == 1:
+        return [{"input_ids": tokenizer.apply_chat_template(c, add_generation_prompt=True, return_tensors="pt",
+                                                            return_dict=False).to(device)} for c in chats]
+    if tokenizer.pad_token is None:
+        raise ValueError("batched benchmarks pad prompts: the tokenizer needs a pad_token")
+    tokenizer.padding_side = "left"
+    texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
+    return [dict(tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True,
+                           add_special_tokens=False).to(device))
+            for i in range(0, len(texts), batch_size)]
+
+
 def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 128, do_sample: bool = False,
                   prompt_lookup: bool = True, warmup: int = 1, profile: bool = True,
                   clover_runs: dict[str, dict] | None = None, temperature: float | None = None,
-                  log=print) -> dict[str, MethodResult]:
-    """Interleave the methods on each prompt; plain `generate` is the reference for identity and speed.
+                  batch_size: int = 1, log=print) -> dict[str, MethodResult]:
+    """Interleave the methods on each prompt (or batch of prompts); plain `generate` is the reference
+    for identity and speed.
 
     With `do_sample` every method draws from the same seed per prompt, but each consumes random
     numbers differently, so identical outputs are not expected (the table shows "-").
 
     `clover_runs` names Clover variants and their extra `generate` arguments (default: one run with
     the heads' own settings). `profile` times Clover's stages (it syncs the device at each stage, so
-    it is free only on CPU).
+    it is free only on CPU). With `batch_size` > 1 prompts run in left-padded batches; transformers'
+    prompt lookup decodes one sequence at a time, so it is left out; tokens/step counts the tokens
+    of all rows per forward.
     """
     base = model.base_model
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample)
     if do_sample and temperature is not None:
         kwargs["temperature"] = temperature
     clover_runs = clover_runs or {"clover": {}}
-    methods = {"plain generate": lambda ids: base.generate(ids, **kwargs)}
+    methods = {"plain generate": lambda inputs: base.generate(**inputs, **kwargs)}
     for name, extra in clover_runs.items():
-        methods[name] = lambda ids, extra=extra: model.generate(ids, clover_profile=profile, **extra, **kwargs)
-    if prompt_lookup:
-        methods["prompt lookup (10)"] = lambda ids: base.generate(ids, prompt_lookup_num_tokens=10, **kwargs)
+        methods[name] = lambda inputs, extra=extra: model.generate(**inputs, clover_profile=profile, **extra, **kwargs)
+    if prompt_lookup and batch_size == 1:
+        methods["prompt lookup (10)"] = lambda inputs: base.generate(**inputs, prompt_lookup_num_tokens=10, **kwargs)
     results = {name: MethodResult(name) for name in methods}
-    encoded = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=False).to(base.device)
-        for p in prompts
-    ]
-    for ids in encoded[:warmup]:
+    eos = base.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    batches = encode_batches(tokenizer, prompts, batch_size, base.device)
+    for inputs in batches[:warmup]:
         for fn in methods.values():
-            fn(ids)
-    for k, ids in enumerate(encoded):
+            fn(inputs)
+    for k, inputs in enumerate(batches):
+        prompt_len = inputs["input_ids"].shape[1]
         reference = None
         for name, fn in methods.items():
             torch.manual_seed(k)
-            out, seconds = _timed(lambda: fn(ids))
+            out, seconds = _timed(lambda: fn(inputs))
             r = results[name]
             r.seconds += seconds
-            new = out.shape[1] - ids.shape[1]
-            r.new_tokens += new
-            r.prompts += 1
+            r.new_tokens += sum(_generated_lengths(out, prompt_len, eos))
+            r.prompts += out.shape[0]
             if name in clover_runs and model.generation_stats is not None:
                 r.steps += model.generation_stats.steps
                 r.accepted_lengths += model.generation_stats.accepted_lengths
                 for stage, sec in model.generation_stats.stage_seconds.items():
                     r.stage_seconds[stage] = r.stage_seconds.get(stage, 0.0) + sec
             elif name == "plain generate":
-                r.steps += new
+                r.steps += out.shape[1] - prompt_len
             if reference is None:
                 reference = out
-            r.identical += int(out.shape == reference.shape and bool((out == reference).all()))
-        log(f"[{k + 1}/{len(encoded)}] " + "  ".join(
+            if out.shape == reference.shape:
+                r.identical += int((out == reference).all(dim=1).sum())
+        log(f"[{k + 1}/{len(batches)}] " + "  ".join(
             f"{n}: {r.tokens_per_second:.1f} tok/s" for n, r in results.items()))
     return results
 

@@ -15,14 +15,29 @@ def new_cache() -> DynamicCache:
     return DynamicCache()
 
 
+def _layers(cache: DynamicCache):
+    return [layer for layer in cache.layers if getattr(layer, "is_initialized", True)]
+
+
 def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> None:
-    """Move the kept tree entries (offsets into the block after `prefix_len`) to the prefix end; drop the rest."""
-    src = keep + prefix_len
-    end = prefix_len + keep.shape[0]
-    for layer in cache.layers:
-        if not getattr(layer, "is_initialized", True):
-            continue
-        layer.keys[..., prefix_len:end, :] = layer.keys.index_select(-2, src)
-        layer.values[..., prefix_len:end, :] = layer.values.index_select(-2, src)
+    """Move the kept tree entries to the prefix end and drop the rest.
+
+    keep: (B, K) offsets into the block after `prefix_len`, per row. A row that keeps fewer than K
+    entries pads its list with any offset; the caller masks those slots out (position -1).
+    """
+    end = prefix_len + keep.shape[1]
+    src = (keep + prefix_len)[:, None, :, None]
+    for layer in _layers(cache):
+        for name in ("keys", "values"):
+            t = getattr(layer, name)
+            t[..., prefix_len:end, :] = t.gather(-2, src.expand(-1, t.shape[1], -1, t.shape[-1]))
         layer.keys = layer.keys[..., :end, :]
         layer.values = layer.values[..., :end, :]
+
+
+def select_rows(cache: DynamicCache, rows: torch.Tensor, columns: torch.Tensor | None = None) -> None:
+    """Keep only the given batch rows (and, when given, the given key positions) of every layer."""
+    for layer in _layers(cache):
+        layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+        if columns is not None:
+            layer.keys, layer.values = layer.keys[..., columns, :], layer.values[..., columns, :]

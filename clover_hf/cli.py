@@ -64,6 +64,8 @@ def make_parser() -> argparse.ArgumentParser:
     bench.add_argument("--do-sample", action="store_true", help="sampling instead of greedy")
     bench.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the model's)")
     bench.add_argument("--no-prompt-lookup", action="store_true", help="skip HF prompt-lookup decoding")
+    bench.add_argument("--batch-size", type=int, default=1,
+                       help="prompts per generate call, left-padded (prompt lookup runs only at batch 1)")
     bench.add_argument("--variants", default=None,
                        help='Clover variants to compare, as JSON: name -> generate arguments, e.g. '
                             '\'{"static": {"lookup": 0}, "dynamic": {"tree": {"depth": 4, "width": 4, "nodes": 16}}}\' '
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_sample, temperature,
-                  no_prompt_lookup, variants, threads, out_dir) -> None:
+                  no_prompt_lookup, batch_size, variants, threads, out_dir) -> None:
     import json
     from pathlib import Path
 
@@ -110,7 +112,7 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
     texts = bench.read_prompts(prompts, limit)
     runs = {f"clover ({name})": kwargs for name, kwargs in json.loads(variants).items()} if variants else None
     results = bench.run_benchmark(model, tokenizer, texts, max_new_tokens, do_sample, not no_prompt_lookup,
-                                  clover_runs=runs, temperature=temperature)
+                                  clover_runs=runs, temperature=temperature, batch_size=batch_size)
     lookups = [model.clover_config.lookup_tokens, *(kw.get("lookup") or 0 for kw in (runs or {}).values())]
     depth = max(model.clover_config.num_heads, *lookups)
     breakdown = "\n\n".join(filter(None, (bench.step_breakdown(r) for r in results.values())))
@@ -120,7 +122,7 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
     base_mib = sum(p.numel() * p.element_size() for p in model.base_model.parameters()) / 2**20
     heads_mib = sum(t.numel() * t.element_size() for t in model.clover_heads.state_dict().values()) / 2**20
     summary = (f"{len(texts)} prompts ({prompts}), {max_new_tokens} new tokens, {dtype}, "
-               f"{sampling_words(do_sample, temperature)}, batch 1; machine: {bench.machine_description()}\n\n"
+               f"{sampling_words(do_sample, temperature)}, batch {batch_size}; machine: {bench.machine_description()}\n\n"
                f"{table}\n\nweights: base {base_mib:.0f} MiB, heads {heads_mib:.1f} MiB "
                f"({100 * heads_mib / base_mib:.1f}%); process peak RSS {bench.peak_rss_mib():.0f} MiB\n\n"
                f"{breakdown}")

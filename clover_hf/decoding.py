@@ -14,8 +14,8 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache import compact_cache, new_cache
-from .heads import CloverHeads
+from .cache import compact_cache, new_cache, select_rows
+from .heads import AugmentCache, CloverHeads
 from .lookup import lookup_continuation
 from .tree import DynamicTree, StepTree, TreeBuffers, build_tree, select_dynamic, with_chain
 from .verification import MaskLayout, accept_greedy, accept_sampled, process_tree_logits, sample_token
@@ -86,14 +86,50 @@ def _base_forward(model: PreTrainedModel, ids, mask, positions, cache, logits_to
     out = model(
         input_ids=ids,
         attention_mask=mask,
-        position_ids=positions[None],
+        position_ids=positions,
         past_key_values=cache,
         use_cache=True,
         output_hidden_states=True,
         return_dict=True,
         **kwargs,
     )
-    return out.logits[0].float(), out.hidden_states[-1][0]  # (n, V) fp32, (T, H)
+    return out.logits.float(), out.hidden_states[-1]  # (B, n, V) fp32, (B, T, H)
+
+
+@dataclass
+class _Row:
+    """One sequence's decode state. The rows of a batch share the base's cache and its forwards."""
+
+    emitter: _Emitter
+    start: int  # first column of its text after the left padding
+    root: torch.Tensor  # () the token after the cached text: chosen, not yet in the cache
+    next_pos: torch.Tensor  # () the root's position
+    chain_len: int  # prompt-lookup chain length of the next step
+    finished: bool
+    feature: torch.Tensor | None = None  # (H,) the heads' features at the last cached position
+    aug_cache: AugmentCache | None = None
+
+
+def _stack_trees(drafts: list[tuple[torch.Tensor, TreeBuffers | StepTree]], rows: list[_Row]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One (B, N) forward's tokens, positions and (B, N, N) attention among new tokens.
+
+    Smaller trees are padded with filler nodes that only see themselves and are never accepted.
+    """
+    if len(drafts) == 1:
+        tokens, tree = drafts[0]
+        return tokens[None], (rows[0].next_pos + tree.depths)[None], tree.ancestors[None]
+    width = max(tokens.shape[0] for tokens, _ in drafts)
+    device = drafts[0][0].device
+    ids = torch.stack([row.root.expand(width) for row in rows]).clone()
+    positions = torch.stack([row.next_pos.expand(width) for row in rows]).clone()
+    allowed = torch.eye(width, dtype=torch.bool, device=device).repeat(len(rows), 1, 1)
+    for b, ((tokens, tree), row) in enumerate(zip(drafts, rows)):
+        n = tokens.shape[0]
+        ids[b, :n] = tokens
+        positions[b, :n] = row.next_pos + tree.depths
+        allowed[b, :n, :n] = tree.ancestors
+    return ids, positions, allowed
 
 
 def _tree_spec(tree: list[list[int]] | DynamicTree | dict | None, config) -> list[list[int]] | DynamicTree:
@@ -135,8 +171,12 @@ def clover_generate(
     clover_profile: bool = False,
     **model_kwargs,
 ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
-    """Clover decoding (greedy or sampling) for one sequence; the signature is transformers'
-    `custom_generate` contract. Sampling draws from the global torch RNG (`torch.manual_seed`).
+    """Clover decoding (greedy or sampling); the signature is transformers' `custom_generate` contract.
+    Sampling draws from the global torch RNG (`torch.manual_seed`).
+
+    A batch (left-padded, with its `attention_mask`) is verified in one forward per step; each row
+    accepts its own path, so rows advance at their own pace over a shared cache whose unused slots
+    are masked, and a finished row leaves the batch. Finished rows are padded with `pad_token_id`.
 
     `clover_tree` (static paths, or a `DynamicTree` / its dict), `clover_lookup` (prompt-lookup
     chain length) and `clover_lookup_max` (the length a chain may grow to while the text keeps
@@ -146,9 +186,13 @@ def clover_generate(
     """
     if clover_heads is None:
         raise ValueError("clover_generate needs clover_heads=CloverHeads(...)")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"clover_generate decodes one sequence at a time, got batch size {input_ids.shape[0]}")
     heads, device = clover_heads, input_ids.device
+    batch, prompt_len = input_ids.shape
+    want = generation_config.return_dict_in_generate
+    want_scores = want and (generation_config.output_scores or generation_config.output_logits)
+    streamer = clover_streamer if clover_streamer is not None else streamer
+    if batch > 1 and (want_scores or streamer is not None):
+        raise ValueError("Clover returns scores and streams for batch size 1 only; pass one sequence at a time")
     spec = _tree_spec(clover_tree, heads.config)
     lookup = heads.config.lookup_tokens if clover_lookup is None else clover_lookup
     lookup_max = max(lookup, heads.config.lookup_max_tokens if clover_lookup_max is None else clover_lookup_max)
@@ -158,97 +202,144 @@ def clover_generate(
     if depth > heads.config.num_heads:
         raise ValueError(f"the tree is {depth} deep but the heads draft {heads.config.num_heads} tokens")
     stats = clover_stats if clover_stats is not None else GenerationStats()
-    streamer = clover_streamer if clover_streamer is not None else streamer
-    want = generation_config.return_dict_in_generate
-    emitter = _Emitter(
-        input_ids,
-        stopping_criteria,
-        streamer,
-        [] if want and generation_config.output_scores else None,
-        [] if want and generation_config.output_logits else None,
-    )
     embed = model.get_input_embeddings()
     lm_weight, lm_bias = heads.draft_lm_head(model.get_output_embeddings())
     layout = MaskLayout.for_config(model.config)
     dtype = model.dtype
-    prompt_len = input_ids.shape[1]
+    sample = bool(generation_config.do_sample)
 
-    # Prefill: the prompt through the base, then its hidden states through the Augmenting Block.
+    # Prefill: the prompts through the base, then each row's hidden states through the Augmenting Block.
     attention_mask = model_kwargs.get("attention_mask")
-    if attention_mask is None:
-        positions = torch.arange(prompt_len, device=device)
-    else:
-        valid = attention_mask[0].bool()
-        positions = torch.where(valid, attention_mask[0].long().cumsum(0) - 1, -1)
-    causal = torch.ones(prompt_len, prompt_len, dtype=torch.bool, device=device).tril()
-    causal = (causal & (positions >= 0)[None, :]) | torch.eye(prompt_len, dtype=torch.bool, device=device)
-    empty = positions[:0]
+    valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    positions = torch.where(valid, valid.long().cumsum(1) - 1, -1)  # (B, P); -1 marks a masked slot
+    eye = torch.eye(prompt_len, dtype=torch.bool, device=device)
+    causal = (eye.new_ones(prompt_len, prompt_len).tril() & valid[:, None, :]) | eye
     cache = new_cache()
-    mask = layout.build(empty, positions, causal, dtype)
+    mask = layout.build(positions[:, :0], positions, causal, dtype)
     logits, hidden = _base_forward(model, input_ids, mask, positions.clamp(min=0), cache, logits_to_keep=1)
     stats.steps += 1
-    scores = logits_processor(input_ids, logits[-1:])
-    sample = bool(generation_config.do_sample)
-    root = sample_token(scores[0].softmax(-1), torch.rand((), device=device)) if sample else scores[0].argmax()
-    _, finished = emitter.emit(root.view(1), scores, logits[-1:])
-    next_pos = positions.max() + 1
-    if not finished:
-        next_tokens = torch.cat([input_ids[0, 1:], root.view(1)])
-        features, aug_cache = heads.features(
-            hidden[None], embed(next_tokens)[None], positions.clamp(min=0)[None]
-        )
-        feature = features[0, -1]
+    scores = logits_processor(input_ids, logits[:, -1])
+    rows = []
+    for b in range(batch):
+        root = sample_token(scores[b].softmax(-1), torch.rand((), device=device)) if sample else scores[b].argmax()
+        emitter = _Emitter(input_ids[b : b + 1], stopping_criteria, streamer,
+                           [] if want and generation_config.output_scores else None,
+                           [] if want and generation_config.output_logits else None)
+        _, finished = emitter.emit(root.view(1), scores[b : b + 1], logits[b, -1:])
+        start = 0 if attention_mask is None else int(valid[b].long().argmax())
+        row = _Row(emitter, start, root, positions[b].max() + 1, lookup, finished)
+        if not finished:
+            cols = slice(None) if attention_mask is None else valid[b]
+            text = torch.cat([input_ids[b, cols][1:], root.view(1)])
+            features, row.aug_cache = heads.features(hidden[b, cols][None], embed(text)[None], positions[b, cols][None])
+            row.feature = features[0, -1]
+        rows.append(row)
+    active, positions = _drop_finished(rows, cache, positions)
 
     clock = _Clock(stats.stage_seconds if clover_profile else None, device)
-    chain_len = lookup
-    while not finished:
-        # Draft, then verify the whole tree in one forward over the cache.
-        chain = lookup_continuation(emitter.input_ids[0], chain_len) if chain_len else root.new_empty(0)
-        tokens, tree = _draft_tree(heads, feature, root, spec, trees, chain, embed, lm_weight, lm_bias)
+    while active:
+        # Draft a tree per row, then verify all of them in one forward over the cache.
+        drafts, chains = [], []
+        for row in active:
+            text = row.emitter.input_ids[0, row.start :]
+            chain = lookup_continuation(text, row.chain_len) if row.chain_len else row.root.new_empty(0)
+            drafts.append(_draft_tree(heads, row.feature, row.root, spec, trees, chain, embed, lm_weight, lm_bias))
+            chains.append(chain)
         clock.lap("draft")
-        past_len = positions.shape[0]
-        node_pos = next_pos + tree.depths
-        mask = layout.build(positions, node_pos, tree.ancestors, dtype)
-        logits, hidden = _base_forward(model, tokens[None], mask, node_pos, cache)
+        past_len = positions.shape[1]
+        ids, node_pos, allowed = _stack_trees(drafts, active)
+        mask = layout.build(positions, node_pos, allowed, dtype)
+        logits, hidden = _base_forward(model, ids, mask, node_pos, cache)
         stats.steps += 1
         clock.lap("verify forward")
-        scores = process_tree_logits(logits, emitter.input_ids, tokens, tree, logits_processor)
-        if sample:
-            uniforms = torch.rand(tokens.shape[0], device=device)
-            nodes, bonus = accept_sampled(tokens, scores.softmax(-1), tree, uniforms)
-        else:
-            nodes, bonus = accept_greedy(tokens, scores.argmax(-1), tree)
-        stats.accepted_lengths.append(nodes.shape[0] - 1)
+        accepted = []
+        for b, (row, (tokens, tree)) in enumerate(zip(active, drafts)):
+            n = tokens.shape[0]
+            scores = process_tree_logits(logits[b, :n], row.emitter.input_ids, tokens, tree, logits_processor)
+            if sample:
+                uniforms = torch.rand(n, device=device)
+                nodes, bonus = accept_sampled(tokens, scores.softmax(-1), tree, uniforms)
+            else:
+                nodes, bonus = accept_greedy(tokens, scores.argmax(-1), tree)
+            stats.accepted_lengths.append(nodes.shape[0] - 1)
+            accepted.append((nodes, bonus, scores))
         clock.lap("accept")
 
-        # Emit the accepted drafts and the bonus token; each was scored at its parent node.
-        new = torch.cat([tokens[nodes[1:]], bonus.view(1)])
-        n, finished = emitter.emit(new, scores[nodes], logits[nodes])
-        kept = nodes[:n]  # cache holds every emitted token but the last
-        compact_cache(cache, past_len, kept)
-        positions = torch.cat([positions, node_pos[kept]])
-        next_pos = next_pos + n
-        root = bonus
-        # while the text copies earlier text, let the next chain reach further (as HF's assistant heuristic)
-        copied = 0 < chain.shape[0] < n and torch.equal(new[: chain.shape[0]], chain)
-        chain_len = min(2 * chain_len, lookup_max) if copied else lookup
+        # Emit each row's accepted drafts and bonus token; each was scored at its parent node.
+        news, kept = [], []
+        for b, (row, (tokens, _), chain, (nodes, bonus, scores)) in enumerate(zip(active, drafts, chains, accepted)):
+            new = torch.cat([tokens[nodes[1:]], bonus.view(1)])
+            n, row.finished = row.emitter.emit(new, scores[nodes], logits[b, nodes])
+            kept.append(nodes[:n])  # the cache holds every emitted token but the last
+            row.next_pos = row.next_pos + n
+            row.root = bonus
+            # while the text copies earlier text, let the next chain reach further (as HF's assistant heuristic)
+            copied = 0 < chain.shape[0] < n and torch.equal(new[: chain.shape[0]], chain)
+            row.chain_len = min(2 * row.chain_len, lookup_max) if copied else lookup
+            news.append(new)
+        positions = torch.cat([positions, _compact(cache, past_len, kept, node_pos)], dim=1)
         clock.lap("emit + compact")
-        if not finished:
-            features, aug_cache = heads.features(
-                hidden[nodes][None], embed(new)[None], node_pos[nodes][None], cache=aug_cache
-            )
-            feature = features[0, -1]
-            clock.lap("augment")
+        for b, (row, (nodes, _, _), new) in enumerate(zip(active, accepted, news)):
+            if not row.finished:
+                features, row.aug_cache = heads.features(
+                    hidden[b, nodes][None], embed(new)[None], node_pos[b, nodes][None], cache=row.aug_cache
+                )
+                row.feature = features[0, -1]
+        clock.lap("augment")
+        active, positions = _drop_finished(active, cache, positions)
 
     if streamer is not None:
         streamer.end()
-    sequences = emitter.input_ids
-    stats.new_tokens = sequences.shape[1] - prompt_len
+    sequences = _pad_rows([row.emitter.input_ids[0] for row in rows], generation_config)
+    stats.new_tokens = sum(row.emitter.input_ids.shape[1] - prompt_len for row in rows)
     if not want:
         return sequences
     return GenerateDecoderOnlyOutput(
         sequences=sequences,
-        scores=tuple(emitter.scores) if emitter.scores is not None else None,
-        logits=tuple(emitter.raw_logits) if emitter.raw_logits is not None else None,
-        past_key_values=cache,
+        scores=tuple(rows[0].emitter.scores) if rows[0].emitter.scores is not None else None,
+        logits=tuple(rows[0].emitter.raw_logits) if rows[0].emitter.raw_logits is not None else None,
+        past_key_values=cache if batch == 1 else None,  # a batch's cache has masked slots
     )
+
+
+def _drop_finished(rows: list[_Row], cache, positions: torch.Tensor) -> tuple[list[_Row], torch.Tensor]:
+    """The unfinished rows. Finished ones leave the cache, and so do the slots no remaining row uses."""
+    alive = [b for b, row in enumerate(rows) if not row.finished]
+    if not alive or len(alive) == len(rows):  # nothing to drop, or done (the cache is returned as is)
+        return [rows[b] for b in alive], positions
+    keep = torch.tensor(alive, device=positions.device)
+    positions = positions[keep]
+    used = (positions >= 0).any(dim=0)
+    select_rows(cache, keep, used)
+    return [rows[b] for b in alive], positions[:, used]
+
+
+def _compact(cache, past_len: int, kept: list[torch.Tensor], node_pos: torch.Tensor) -> torch.Tensor:
+    """Keep each row's accepted nodes in the cache; returns the (B, K) positions of the kept slots (-1: unused)."""
+    if len(kept) == 1:
+        compact_cache(cache, past_len, kept[0][None])
+        return node_pos[:, kept[0]]
+    width = max(k.shape[0] for k in kept)
+    index = torch.zeros(len(kept), width, dtype=torch.long, device=node_pos.device)
+    slot_pos = torch.full_like(index, -1)
+    for b, k in enumerate(kept):
+        index[b, : k.shape[0]] = k
+        slot_pos[b, : k.shape[0]] = node_pos[b, k]
+    compact_cache(cache, past_len, index)
+    return slot_pos
+
+
+def _pad_rows(rows: list[torch.Tensor], generation_config: GenerationConfig) -> torch.Tensor:
+    """(B, L) sequences; rows that stopped early end in `pad_token_id`, as in transformers' own decoding."""
+    length = max(r.shape[0] for r in rows)
+    if all(r.shape[0] == length for r in rows):
+        return torch.stack(rows)
+    pad = getattr(generation_config, "_pad_token_tensor", None)
+    if pad is None and generation_config.pad_token_id is not None:
+        pad = torch.tensor(generation_config.pad_token_id, device=rows[0].device)
+    if pad is None:
+        raise ValueError("rows of the batch stopped at different lengths: set pad_token_id to pad the shorter ones")
+    out = pad.to(rows[0].dtype).expand(len(rows), length).clone()
+    for b, r in enumerate(rows):
+        out[b, : r.shape[0]] = r
+    return out

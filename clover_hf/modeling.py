@@ -264,8 +264,6 @@ class CloverForCausalLM(nn.Module):
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         if ids is None:
             return "generation without input_ids"
-        if ids.dim() == 2 and ids.shape[0] != 1:
-            return f"batch size {ids.shape[0]} (yet)"
         probe = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
         config, _ = self.base_model._prepare_generation_config(copy.deepcopy(generation_config), **probe)
         mode = config.get_generation_mode(kwargs.get("assistant_model"))
@@ -273,8 +271,11 @@ class CloverForCausalLM(nn.Module):
             return f"{mode.value.replace('_', ' ')} (greedy decoding and sampling only)"
         if getattr(config, "dola_layers", None) is not None:
             return "DoLa decoding"
-        if (config.num_return_sequences or 1) > 1:
-            return "num_return_sequences > 1"
+        rows = (ids.shape[0] if ids.dim() == 2 else 1) * (config.num_return_sequences or 1)
+        if rows > 1 and kwargs.get("streamer") is not None:
+            return "streaming a batch"
+        if rows > 1 and config.return_dict_in_generate and (config.output_scores or config.output_logits):
+            return "output_scores / output_logits for a batch"
         if config.return_dict_in_generate and (config.output_attentions or config.output_hidden_states):
             return "output_attentions / output_hidden_states"
         if kwargs.get("cache_implementation") or config.cache_implementation not in (None, "dynamic"):

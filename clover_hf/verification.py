@@ -21,21 +21,26 @@ from .tree import StepTree, TreeBuffers
 
 
 def additive_mask(
-    past_positions: torch.Tensor,  # (P,) position of each cached key; -1 for padding
-    new_positions: torch.Tensor,  # (N,) position of each new token
-    new_allowed: torch.Tensor,  # (N, N) bool: new token i may attend to new token j
+    past_positions: torch.Tensor,  # ([B,] P) position of each cached key; -1 for padding
+    new_positions: torch.Tensor,  # ([B,] N) position of each new token
+    new_allowed: torch.Tensor,  # ([B,] N, N) bool: new token i may attend to new token j
     dtype: torch.dtype,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Additive 4D mask (1, 1, N, P + N) in the model's dtype: 0 = attend, finfo.min = blocked."""
-    allowed_past = (past_positions >= 0)[None, :].expand(new_positions.shape[0], -1)
+    """Additive 4D mask (B, 1, N, P + N) in the model's dtype: 0 = attend, finfo.min = blocked.
+
+    Without a batch dimension in the inputs, B is 1.
+    """
+    if new_positions.dim() == 1:
+        past_positions, new_positions, new_allowed = past_positions[None], new_positions[None], new_allowed[None]
+    allowed_past = (past_positions >= 0)[:, None, :].expand(-1, new_positions.shape[1], -1)
     if sliding_window is not None:
-        allowed_past = allowed_past & (new_positions[:, None] - past_positions[None, :] < sliding_window)
-        new_allowed = new_allowed & (new_positions[:, None] - new_positions[None, :] < sliding_window)
-    allowed = torch.cat([allowed_past, new_allowed], dim=1)
+        allowed_past = allowed_past & (new_positions[:, :, None] - past_positions[:, None, :] < sliding_window)
+        new_allowed = new_allowed & (new_positions[:, :, None] - new_positions[:, None, :] < sliding_window)
+    allowed = torch.cat([allowed_past, new_allowed], dim=-1)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
+    return mask[:, None]
 
 
 @dataclass(frozen=True)

@@ -78,3 +78,16 @@ def test_bench_sampling_runs_clover_and_marks_identity_not_applicable(tmp_path):
     assert results["clover"]["steps"] >= 2 and results["clover"]["new_tokens"] == 10  # Clover ran, no fallback
     text = (out / "results.md").read_text()
     assert "sampling (temperature 0.8)" in text and "| clover |" in text and "1/1" not in text
+
+
+def test_bench_batches_prompts(tmp_path):
+    """`--batch-size 2`: prompts run as left-padded batches; rows are compared one by one, and prompt
+    lookup (one sequence at a time in transformers) is left out."""
+    out = _bench(tmp_path, "first prompt\nthe second prompt is longer\nthird\n", "--max-new-tokens", "8",
+                 "--batch-size", "2")
+    text = (out / "results.md").read_text()
+    assert "3 prompts" in text and "batch 2" in text and "prompt lookup" not in text
+    results = json.loads((out / "results.json").read_text())
+    clover = results["clover"]
+    assert clover["prompts"] == 3 and clover["new_tokens"] == 24 and clover["identical"] == 3
+    assert results["plain generate"]["steps"] == 16  # two batches of 8 forwards each

@@ -155,14 +155,6 @@ def test_unsupported_modes_fall_back_with_one_warning(base, kwargs, reason):
     assert clover.generation_stats is None
 
 
-def test_batch_falls_back(base):
-    clover = CloverForCausalLM.from_base(base)
-    ids = torch.cat([prompt(1), prompt(2)])
-    with pytest.warns(UserWarning, match="batch size 2"):
-        out = clover.generate(ids, max_new_tokens=8, do_sample=False)
-    assert torch.equal(out, base.generate(ids, max_new_tokens=8, do_sample=False))
-
-
 def test_pipeline_text_generation(base):
     tok = byte_tokenizer()
     clover = CloverForCausalLM.from_base(base)

@@ -64,34 +64,55 @@ def prompt(seed: int = 1, length: int = 10) -> torch.Tensor:
 
 class OracleHeads(CloverHeads):
     """Heads that draft the reference continuation along one branch per step, so that long paths,
-    non-first branches, partial acceptance and bonus tokens are all exercised."""
+    non-first branches, partial acceptance and bonus tokens are all exercised.
 
-    def __init__(self, config, reference: torch.Tensor) -> None:
+    For a batch, `reference` holds every row's expected output and `pads` their left padding. Rows
+    are told apart by their Augmenting Block cache: a prefill call starts the next row, and every later
+    call extends the cache its row got last time. Drafts come in the order features were made.
+    """
+
+    def __init__(self, config, reference: torch.Tensor, pads: list[int] | None = None) -> None:
         super().__init__(config)
-        self.reference = reference[0].tolist()
-        self.last_position = 0
+        pads = pads or [0] * reference.shape[0]
+        self.references = [row[pad:].tolist() for row, pad in zip(reference, pads)]
+        self.row_of: dict[int, tuple[object, int]] = {}  # id(augment cache) -> (the cache, its row)
+        self.rows_started = 0
+        self.pending: list[tuple[int, int]] = []  # (row, position) of features not yet drafted from
         self.step = 0
 
     def features(self, hidden, next_embeds, positions, cache=None, attn_mask=None):
-        self.last_position = int(positions[0, -1])
-        return super().features(hidden, next_embeds, positions, cache, attn_mask)
+        if cache is None:
+            row = self.rows_started % len(self.references)  # a new generate call starts over at row 0
+            self.rows_started += 1
+        else:
+            row = self.row_of.pop(id(cache))[1]
+        out, new_cache = super().features(hidden, next_embeds, positions, cache, attn_mask)
+        self.row_of[id(new_cache)] = (new_cache, row)
+        self.pending.append((row, int(positions[0, -1])))
+        return out, new_cache
+
+    def _truth(self, root: torch.Tensor) -> tuple[list[int], int]:
+        """The reference of the row being drafted, and its root's position."""
+        row, position = self.pending.pop(0)
+        return self.references[row], position + 1
 
     def draft(self, feature, root, tree, embed, lm_weight, lm_bias):
+        reference, root_pos = self._truth(root)
         leaves = [p for p in tree.paths if not any(q[: len(p)] == p and len(q) > len(p) for q in tree.paths)]
         target = leaves[self.step % len(leaves)]
         right_depth = 1 + (self.step % (len(target) + 1)) if self.step % 3 else len(target)
         self.step += 1
-        root_pos = self.last_position + 1
         out = []
         for p in tree.paths:
             want = root_pos + len(p)
-            truth = self.reference[want] if want < len(self.reference) else 0
+            truth = reference[want] if want < len(reference) else 0
             on_branch = tuple(target[: len(p)]) == tuple(p) and len(p) <= right_depth
             out.append(truth if on_branch else (truth + 1 + p[-1]) % VOCAB)
         return torch.tensor(out, device=feature.device)
 
     def draft_dynamic(self, feature, root, depth, width, embed, lm_weight, lm_bias):
         """The real candidates, re-labelled: one deepest path carries the reference and ranks first."""
+        reference, root_pos = self._truth(root)
         tokens, parents, depths, scores = super().draft_dynamic(feature, root, depth, width, embed, lm_weight, lm_bias)
         par, dep = parents.tolist(), depths.tolist()
         deepest = [i for i, d in enumerate(dep) if d == depth]
@@ -103,11 +124,10 @@ class OracleHeads(CloverHeads):
             node = par[node] - 1
         right_depth = 1 + (self.step % (depth + 1)) if self.step % 3 else depth
         self.step += 1
-        root_pos = self.last_position + 1
         out, new_scores = [], []
         for i, d in enumerate(dep):
             want = root_pos + d
-            truth = self.reference[want] if want < len(self.reference) else 0
+            truth = reference[want] if want < len(reference) else 0
             on_branch = i in branch and d <= right_depth
             out.append(truth if on_branch else (truth + 1 + i) % VOCAB)
             new_scores.append(-0.01 * d if i in branch else float(scores[i]) - 10.0)
@@ -115,12 +135,25 @@ class OracleHeads(CloverHeads):
                 torch.tensor(new_scores, device=feature.device))
 
 
-def oracle_model(base: PreTrainedModel, reference: torch.Tensor, **config_kwargs) -> CloverForCausalLM:
+def oracle_model(base: PreTrainedModel, reference: torch.Tensor, pads: list[int] | None = None,
+                 **config_kwargs) -> CloverForCausalLM:
     clover = CloverForCausalLM.from_base(base, **config_kwargs)
-    heads = OracleHeads(clover.clover_config, reference)
+    heads = OracleHeads(clover.clover_config, reference, pads)
     heads.load_state_dict(clover.clover_heads.state_dict())
     heads.to(device=base.device, dtype=base.dtype)
     return CloverForCausalLM(base, heads)
+
+
+def left_padded(*prompts: torch.Tensor, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """A left-padded batch of (1, L) prompts: (ids, attention_mask, pads per row)."""
+    length = max(p.shape[1] for p in prompts)
+    ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    pads = [length - p.shape[1] for p in prompts]
+    for b, (p, pad) in enumerate(zip(prompts, pads)):
+        ids[b, pad:] = p[0]
+        mask[b, pad:] = 1
+    return ids, mask, pads
 
 
 CHAT_TEMPLATE = (
