@@ -28,9 +28,9 @@ def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> N
     end = prefix_len + keep.shape[1]
     src = (keep + prefix_len)[:, None, :, None]
     for layer in _layers(cache):
-        for name in ("keys", "values"):
-            t = getattr(layer, name)
-            t[..., prefix_len:end, :] = t.gather(-2, src.expand(-1, t.shape[1], -1, t.shape[-1]))
+        index = src.to(layer.keys.device)  # layers of a model split over devices live apart
+        for t in (layer.keys, layer.values):
+            t[..., prefix_len:end, :] = t.gather(-2, index.expand(-1, t.shape[1], -1, t.shape[-1]))
         layer.keys = layer.keys[..., :end, :]
         layer.values = layer.values[..., :end, :]
 
@@ -38,6 +38,8 @@ def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> N
 def select_rows(cache: DynamicCache, rows: torch.Tensor, columns: torch.Tensor | None = None) -> None:
     """Keep only the given batch rows (and, when given, the given key positions) of every layer."""
     for layer in _layers(cache):
-        layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+        keep = rows.to(layer.keys.device)
+        layer.keys, layer.values = layer.keys[keep], layer.values[keep]
         if columns is not None:
-            layer.keys, layer.values = layer.keys[..., columns, :], layer.values[..., columns, :]
+            used = columns.to(layer.keys.device)
+            layer.keys, layer.values = layer.keys[..., used, :], layer.values[..., used, :]

@@ -1,0 +1,37 @@
+"""Cache compaction moves each row's kept tree entries behind its prefix; finished rows leave."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from clover_hf.cache import compact_cache, select_rows
+
+
+def _cache(batch: int, length: int) -> DynamicCache:
+    cache = DynamicCache()
+    for layer in range(2):
+        # (B, heads, T, head_dim) whose entries name their row, layer and slot
+        keys = torch.arange(batch * length, dtype=torch.float32).view(batch, 1, length, 1).expand(-1, 2, -1, 3)
+        cache.update(keys.clone() + 1000 * layer, -keys.clone(), layer)
+    return cache
+
+
+def test_compact_cache_keeps_each_rows_own_nodes():
+    cache = _cache(batch=2, length=9)  # a 4-slot prefix, then a 5-node tree block
+    keep = torch.tensor([[0, 2, 3], [0, 4, 0]])  # row 1 keeps two nodes and pads with slot 0
+    compact_cache(cache, 4, keep)
+    for layer, offset in zip(cache.layers, (0, 1000)):
+        assert layer.keys.shape == (2, 2, 7, 3)
+        row0, row1 = layer.keys[0, 0, :, 0].tolist(), layer.keys[1, 0, :, 0].tolist()
+        assert row0 == [offset + v for v in [0, 1, 2, 3, 4, 6, 7]]
+        assert row1[:6] == [offset + v for v in [9, 10, 11, 12, 13, 17]]
+        assert torch.equal(layer.values, -(layer.keys - offset))
+
+
+def test_select_rows_drops_rows_and_unused_slots():
+    cache = _cache(batch=3, length=4)
+    select_rows(cache, torch.tensor([0, 2]), torch.tensor([True, False, True, True]))
+    keys = cache.layers[0].keys
+    assert keys.shape == (2, 2, 3, 3)
+    assert keys[:, 0, :, 0].tolist() == [[0, 2, 3], [8, 10, 11]]
