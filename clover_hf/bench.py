@@ -23,6 +23,7 @@ class MethodResult:
     seconds: float = 0.0
     new_tokens: int = 0
     steps: int = 0
+    verify_steps: int = 0  # Clover's forwards after the prefill: the steps that draft and verify
     identical: int = 0
     prompts: int = 0
     accepted_lengths: list[int] = field(default_factory=list)
@@ -37,7 +38,7 @@ class MethodResult:
         return self.new_tokens / self.steps if self.steps else float("nan")
 
     def acceptance_by_depth(self, max_depth: int) -> list[float]:
-        """Share of verify steps that accepted at least d drafted tokens, d = 1..max_depth."""
+        """Share of verify steps (of rows, in a batch) that accepted at least d drafted tokens, d = 1..max_depth."""
         n = len(self.accepted_lengths)
         return [sum(a >= d for a in self.accepted_lengths) / n if n else float("nan") for d in range(1, max_depth + 1)]
 
@@ -133,6 +134,7 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
             r.prompts += out.shape[0]
             if name in clover_runs and model.generation_stats is not None:
                 r.steps += model.generation_stats.steps
+                r.verify_steps += model.generation_stats.steps - 1
                 r.accepted_lengths += model.generation_stats.accepted_lengths
                 for stage, sec in model.generation_stats.stage_seconds.items():
                     r.stage_seconds[stage] = r.stage_seconds.get(stage, 0.0) + sec
@@ -167,7 +169,7 @@ def markdown_table(results: dict[str, MethodResult], max_depth: int, sampled: bo
 
 def step_breakdown(result: MethodResult) -> str:
     """Mean milliseconds per verify step by stage, and how much of a step the verify forward is."""
-    steps = len(result.accepted_lengths)
+    steps = result.verify_steps
     if not steps or not result.stage_seconds:
         return ""
     total = sum(result.stage_seconds.values())

@@ -27,7 +27,7 @@ class GenerationStats:
 
     steps: int = 0
     new_tokens: int = 0
-    accepted_lengths: list[int] = field(default_factory=list)  # drafted tokens accepted per verify step
+    accepted_lengths: list[int] = field(default_factory=list)  # drafted tokens accepted per verify step and row
     stage_seconds: dict[str, float] = field(default_factory=dict)  # filled when profiling
 
     @property
@@ -120,7 +120,7 @@ def _stack_trees(drafts: list[tuple[torch.Tensor, TreeBuffers | StepTree]], rows
         tokens, tree = drafts[0]
         return tokens[None], (rows[0].next_pos + tree.depths)[None], tree.ancestors[None]
     width = max(tokens.shape[0] for tokens, _ in drafts)
-    device = drafts[0][0].device
+    device = rows[0].next_pos.device
     ids = torch.stack([row.root.expand(width) for row in rows]).clone()
     positions = torch.stack([row.next_pos.expand(width) for row in rows]).clone()
     allowed = torch.eye(width, dtype=torch.bool, device=device).repeat(len(rows), 1, 1)

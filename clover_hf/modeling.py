@@ -271,11 +271,17 @@ class CloverForCausalLM(nn.Module):
             return f"{mode.value.replace('_', ' ')} (greedy decoding and sampling only)"
         if getattr(config, "dola_layers", None) is not None:
             return "DoLa decoding"
+        if config.guidance_scale is not None and config.guidance_scale != 1:
+            return "classifier-free guidance (guidance_scale)"
         rows = (ids.shape[0] if ids.dim() == 2 else 1) * (config.num_return_sequences or 1)
         if rows > 1 and kwargs.get("streamer") is not None:
             return "streaming a batch"
         if rows > 1 and config.return_dict_in_generate and (config.output_scores or config.output_logits):
             return "output_scores / output_logits for a batch"
+        early_stop = kwargs.get("stopping_criteria") or kwargs.get("stop_strings") or config.stop_strings or config.max_time
+        if rows > 1 and config.eos_token_id is None and early_stop:
+            # without an eos_token_id transformers keeps generating for rows that stopped, until all have
+            return "a batch with stopping criteria but no eos_token_id"
         if config.return_dict_in_generate and (config.output_attentions or config.output_hidden_states):
             return "output_attentions / output_hidden_states"
         if kwargs.get("cache_implementation") or config.cache_implementation not in (None, "dynamic"):

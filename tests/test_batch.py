@@ -32,7 +32,7 @@ def test_batch_matches_base(arch, drafting):
     assert stats.steps - 1 <= len(stats.accepted_lengths) <= 3 * (stats.steps - 1)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3_text", "gpt2"])
 @pytest.mark.parametrize("tree", [None, {"depth": 3, "width": 3, "nodes": 10}])
 def test_batch_rows_accept_different_lengths(arch, tree):
     """Oracle heads: rows accept paths of different lengths in the same forward, so the shared cache
@@ -129,3 +129,33 @@ def test_batched_text_generation_pipeline():
     ours = pipeline("text-generation", model=clover, tokenizer=tok)(texts, **kw)
     assert ours == pipeline("text-generation", model=base, tokenizer=tok)(texts, **kw)
     assert clover.generation_stats is not None and clover.generation_stats.new_tokens == 3 * 15
+
+
+def test_batch_row_that_ends_at_its_first_token():
+    """One row's first token is end-of-sequence: it leaves the batch at the prefill, the others go on."""
+    base = tiny_model("llama")
+    ids, mask, pads = three_rows()
+    free = base.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)[:, -1].tolist()
+    assert free[1] not in (free[0], free[2])
+    base.generation_config.eos_token_id = free[1]
+    ref = base.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    assert ref[1, ids.shape[1] + 1 :].eq(base.generation_config.pad_token_id).all()
+    clover = oracle_model(base, ref, pads)
+    out = clover.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    assert same(out, ref)
+    assert max(clover.generation_stats.accepted_lengths) == clover.clover_config.num_heads
+
+
+def test_batch_without_eos_but_with_stop_strings_falls_back():
+    """Without an eos_token_id transformers keeps generating rows that matched a stop string until all
+    rows have; Clover leaves that to the base instead of padding them."""
+    from .tiny import byte_tokenizer
+
+    base = tiny_model("llama")
+    clover = CloverForCausalLM.from_base(base)
+    ids, mask, _ = three_rows()
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, stop_strings=["a"],
+                  tokenizer=byte_tokenizer())
+    with pytest.warns(UserWarning, match="stopping criteria but no eos_token_id"):
+        out = clover.generate(ids, **kwargs)
+    assert same(out, base.generate(ids, **kwargs))

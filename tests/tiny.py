@@ -66,30 +66,40 @@ class OracleHeads(CloverHeads):
     """Heads that draft the reference continuation along one branch per step, so that long paths,
     non-first branches, partial acceptance and bonus tokens are all exercised.
 
-    For a batch, `reference` holds every row's expected output and `pads` their left padding. Rows
-    are told apart by their Augmenting Block cache: a prefill call starts the next row, and every later
-    call extends the cache its row got last time. Drafts come in the order features were made.
+    For a batch, `reference` holds every row's expected output and `pads` their left padding. A
+    prefill call is matched to its row by its tokens (through the base's `embed`); every later call
+    extends the Augmenting Block cache its row got last time. Drafts come in the order features were made.
     """
 
-    def __init__(self, config, reference: torch.Tensor, pads: list[int] | None = None) -> None:
+    def __init__(self, config, reference: torch.Tensor, pads: list[int] | None = None, embed=None) -> None:
         super().__init__(config)
         pads = pads or [0] * reference.shape[0]
         self.references = [row[pad:].tolist() for row, pad in zip(reference, pads)]
+        self.embed = embed.forward if embed is not None else None  # a function, so not a submodule
         self.row_of: dict[int, tuple[object, int]] = {}  # id(augment cache) -> (the cache, its row)
-        self.rows_started = 0
         self.pending: list[tuple[int, int]] = []  # (row, position) of features not yet drafted from
         self.step = 0
 
     def features(self, hidden, next_embeds, positions, cache=None, attn_mask=None):
         if cache is None:
-            row = self.rows_started % len(self.references)  # a new generate call starts over at row 0
-            self.rows_started += 1
+            row = self._prefill_row(next_embeds[0])
         else:
             row = self.row_of.pop(id(cache))[1]
         out, new_cache = super().features(hidden, next_embeds, positions, cache, attn_mask)
         self.row_of[id(new_cache)] = (new_cache, row)
         self.pending.append((row, int(positions[0, -1])))
         return out, new_cache
+
+    def _prefill_row(self, next_embeds: torch.Tensor) -> int:
+        """The row whose prompt (shifted by one, then its first new token) has these embeddings."""
+        if len(self.references) == 1:
+            return 0
+        length = next_embeds.shape[0]
+        rows = [b for b, ref in enumerate(self.references)
+                if len(ref) > length and torch.equal(self.embed(torch.tensor(ref[1 : length + 1])), next_embeds)]
+        if len(rows) != 1:
+            raise AssertionError(f"{len(rows)} reference rows fit a prefill of {length} tokens")
+        return rows[0]
 
     def _truth(self, root: torch.Tensor) -> tuple[list[int], int]:
         """The reference of the row being drafted, and its root's position."""
@@ -138,7 +148,7 @@ class OracleHeads(CloverHeads):
 def oracle_model(base: PreTrainedModel, reference: torch.Tensor, pads: list[int] | None = None,
                  **config_kwargs) -> CloverForCausalLM:
     clover = CloverForCausalLM.from_base(base, **config_kwargs)
-    heads = OracleHeads(clover.clover_config, reference, pads)
+    heads = OracleHeads(clover.clover_config, reference, pads, base.get_input_embeddings())
     heads.load_state_dict(clover.clover_heads.state_dict())
     heads.to(device=base.device, dtype=base.dtype)
     return CloverForCausalLM(base, heads)
