@@ -43,3 +43,12 @@ def select_rows(cache: DynamicCache, rows: torch.Tensor, columns: torch.Tensor |
         if columns is not None:
             used = columns.to(layer.keys.device)
             layer.keys, layer.values = layer.keys[..., used, :], layer.values[..., used, :]
+
+
+def select_slots(cache: DynamicCache, index: torch.Tensor) -> None:
+    """Keep, per row, the key positions in `index` (B, C), in that order. Keys carry their rotary
+    position already and every mask is built from explicit positions, so slots may move freely."""
+    for layer in _layers(cache):
+        slots = index.to(layer.keys.device)[:, None, :, None]
+        layer.keys = layer.keys.gather(-2, slots.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1]))
+        layer.values = layer.values.gather(-2, slots.expand(-1, layer.values.shape[1], -1, layer.values.shape[-1]))

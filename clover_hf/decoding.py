@@ -14,7 +14,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .cache import compact_cache, new_cache, select_rows
+from .cache import compact_cache, new_cache, select_rows, select_slots
 from .heads import AugmentCache, CloverHeads
 from .lookup import lookup_continuation
 from .tree import DynamicTree, StepTree, TreeBuffers, build_tree, select_dynamic, with_chain
@@ -278,6 +278,8 @@ def clover_generate(
             row.chain_len = min(2 * row.chain_len, lookup_max) if copied else lookup
             news.append(new)
         positions = torch.cat([positions, _compact(cache, past_len, kept, node_pos)], dim=1)
+        if len(active) > 1:
+            positions = _repack(cache, positions)
         clock.lap("emit + compact")
         for b, (row, (nodes, _, _), new) in enumerate(zip(active, accepted, news)):
             if not row.finished:
@@ -312,6 +314,24 @@ def _drop_finished(rows: list[_Row], cache, positions: torch.Tensor) -> tuple[li
     used = (positions >= 0).any(dim=0)
     select_rows(cache, keep, used)
     return [rows[b] for b in alive], positions[:, used]
+
+
+REPACK_UNUSED_SHARE = 0.5  # a batch's cache is repacked once more than this share of its slots is masked
+
+
+def _repack(cache, positions: torch.Tensor) -> torch.Tensor:
+    """Move each row's used slots to the end of the cache once masked slots dominate it.
+
+    Rows of a batch keep different numbers of tree nodes per step, so each step leaves masked slots
+    in the rows that kept fewer; without repacking they would cost memory and attention for good.
+    """
+    used = positions >= 0
+    if (~used).sum() <= REPACK_UNUSED_SHARE * used.numel():  # one host sync per batched step
+        return positions
+    width = int(used.sum(dim=1).max())
+    index = used.int().argsort(dim=1, stable=True)[:, -width:]  # masked slots first, then used ones in order
+    select_slots(cache, index)
+    return positions.gather(1, index)
 
 
 def _compact(cache, past_len: int, kept: list[torch.Tensor], node_pos: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from clover_hf import CloverForCausalLM
+from clover_hf import CloverForCausalLM, decoding
 
 from .test_decoding import DRAFTING
 from .tiny import ARCHS, left_padded, oracle_model, prompt, same, tiny_model
@@ -32,11 +32,15 @@ def test_batch_matches_base(arch, drafting):
     assert stats.steps - 1 <= len(stats.accepted_lengths) <= 3 * (stats.steps - 1)
 
 
+@pytest.mark.parametrize("repack", ["when mostly masked", "every step"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3_text", "gpt2"])
 @pytest.mark.parametrize("tree", [None, {"depth": 3, "width": 3, "nodes": 10}])
-def test_batch_rows_accept_different_lengths(arch, tree):
+def test_batch_rows_accept_different_lengths(arch, tree, repack, monkeypatch):
     """Oracle heads: rows accept paths of different lengths in the same forward, so the shared cache
-    carries masked slots; long paths and bonus tokens must still give the base's output."""
+    carries masked slots (repacked when they dominate, or at every step here); long paths and bonus
+    tokens must still give the base's output."""
+    if repack == "every step":
+        monkeypatch.setattr(decoding, "REPACK_UNUSED_SHARE", 0.0)
     base = tiny_model(arch)
     ids, mask, pads = three_rows()
     ref = base.generate(ids, attention_mask=mask, max_new_tokens=50, do_sample=False)

@@ -35,3 +35,12 @@ def test_select_rows_drops_rows_and_unused_slots():
     keys = cache.layers[0].keys
     assert keys.shape == (2, 2, 3, 3)
     assert keys[:, 0, :, 0].tolist() == [[0, 2, 3], [8, 10, 11]]
+
+
+def test_select_slots_gathers_per_row():
+    from clover_hf.cache import select_slots
+
+    cache = _cache(batch=2, length=5)
+    select_slots(cache, torch.tensor([[1, 3], [4, 0]]))
+    assert cache.layers[1].keys[:, 0, :, 0].tolist() == [[1001, 1003], [1009, 1005]]
+    assert cache.layers[1].values[:, 0, :, 0].tolist() == [[-1, -3], [-9, -5]]
