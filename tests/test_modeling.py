@@ -138,6 +138,7 @@ def test_bad_config_values():
         (dict(do_sample=True, num_beams=2), "beam sample"),
         (dict(num_beams=2), "beam"),
         (dict(num_return_sequences=2, num_beams=2), "beam"),
+        (dict(guidance_scale=1.5), "classifier-free guidance"),
     ],
 )
 def test_unsupported_modes_fall_back_with_one_warning(base, kwargs, reason):
