@@ -19,6 +19,12 @@ def _layers(cache: DynamicCache):
     return [layer for layer in cache.layers if getattr(layer, "is_initialized", True)]
 
 
+def _gather_slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t (B, heads, T, d) at the key positions index (B, C) of each row."""
+    index = index.to(t.device)[:, None, :, None]  # layers of a model split over devices live apart
+    return t.gather(-2, index.expand(-1, t.shape[1], -1, t.shape[-1]))
+
+
 def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> None:
     """Move the kept tree entries to the prefix end and drop the rest.
 
@@ -26,11 +32,10 @@ def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> N
     entries pads its list with any offset; the caller masks those slots out (position -1).
     """
     end = prefix_len + keep.shape[1]
-    src = (keep + prefix_len)[:, None, :, None]
+    src = keep + prefix_len
     for layer in _layers(cache):
-        index = src.to(layer.keys.device)  # layers of a model split over devices live apart
         for t in (layer.keys, layer.values):
-            t[..., prefix_len:end, :] = t.gather(-2, index.expand(-1, t.shape[1], -1, t.shape[-1]))
+            t[..., prefix_len:end, :] = _gather_slots(t, src)
         layer.keys = layer.keys[..., :end, :]
         layer.values = layer.values[..., :end, :]
 
@@ -49,6 +54,4 @@ def select_slots(cache: DynamicCache, index: torch.Tensor) -> None:
     """Keep, per row, the key positions in `index` (B, C), in that order. Keys carry their rotary
     position already and every mask is built from explicit positions, so slots may move freely."""
     for layer in _layers(cache):
-        slots = index.to(layer.keys.device)[:, None, :, None]
-        layer.keys = layer.keys.gather(-2, slots.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1]))
-        layer.values = layer.values.gather(-2, slots.expand(-1, layer.values.shape[1], -1, layer.values.shape[-1]))
+        layer.keys, layer.values = _gather_slots(layer.keys, index), _gather_slots(layer.values, index)

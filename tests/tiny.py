@@ -101,13 +101,13 @@ class OracleHeads(CloverHeads):
             raise AssertionError(f"{len(rows)} reference rows fit a prefill of {length} tokens")
         return rows[0]
 
-    def _truth(self, root: torch.Tensor) -> tuple[list[int], int]:
+    def _truth(self) -> tuple[list[int], int]:
         """The reference of the row being drafted, and its root's position."""
         row, position = self.pending.pop(0)
         return self.references[row], position + 1
 
     def draft(self, feature, root, tree, embed, lm_weight, lm_bias):
-        reference, root_pos = self._truth(root)
+        reference, root_pos = self._truth()
         leaves = [p for p in tree.paths if not any(q[: len(p)] == p and len(q) > len(p) for q in tree.paths)]
         target = leaves[self.step % len(leaves)]
         right_depth = 1 + (self.step % (len(target) + 1)) if self.step % 3 else len(target)
@@ -122,7 +122,7 @@ class OracleHeads(CloverHeads):
 
     def draft_dynamic(self, feature, root, depth, width, embed, lm_weight, lm_bias):
         """The real candidates, re-labelled: one deepest path carries the reference and ranks first."""
-        reference, root_pos = self._truth(root)
+        reference, root_pos = self._truth()
         tokens, parents, depths, scores = super().draft_dynamic(feature, root, depth, width, embed, lm_weight, lm_bias)
         par, dep = parents.tolist(), depths.tolist()
         deepest = [i for i, d in enumerate(dep) if d == depth]
