@@ -154,6 +154,17 @@ def _draft_tree(heads: CloverHeads, feature, root, spec, trees, chain, embed, lm
     return tokens, StepTree.from_parents(parents, depths, max(spec.depth, chain.shape[0]))
 
 
+def _no_deeper(tokens: torch.Tensor, tree: TreeBuffers | StepTree, depth: int
+               ) -> tuple[torch.Tensor, TreeBuffers | StepTree]:
+    """The part of a drafted tree at most `depth` below the root: near `max_length` deeper nodes could
+    not be emitted, and their positions may lie past what the model embeds. Nodes are sorted by
+    depth, so the part is a prefix."""
+    if tree.max_depth <= depth:
+        return tokens, tree
+    n = int((tree.depths <= depth).sum())
+    return tokens[:n], StepTree.from_parents(tree.parents[:n], tree.depths[:n], depth)
+
+
 def clover_generate(
     model: PreTrainedModel,
     input_ids: torch.LongTensor,
@@ -186,7 +197,8 @@ def clover_generate(
     """
     if clover_heads is None:
         raise ValueError("clover_generate needs clover_heads=CloverHeads(...)")
-    heads, device = clover_heads, input_ids.device
+    heads, device, caller_device = clover_heads, model.device, input_ids.device
+    input_ids = input_ids.to(device)  # transformers lets inputs stay on another device; Clover works on the model's
     batch, prompt_len = input_ids.shape
     want = generation_config.return_dict_in_generate
     want_scores = want and (generation_config.output_scores or generation_config.output_logits)
@@ -210,6 +222,7 @@ def clover_generate(
 
     # Prefill: the prompts through the base, then each row's hidden states through the Augmenting Block.
     attention_mask = model_kwargs.get("attention_mask")
+    attention_mask = None if attention_mask is None else attention_mask.to(device)
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     positions = torch.where(valid, valid.long().cumsum(1) - 1, -1)  # (B, P); -1 marks a masked slot
     eye = torch.eye(prompt_len, dtype=torch.bool, device=device)
@@ -242,8 +255,11 @@ def clover_generate(
         drafts, chains = [], []
         for row in active:
             text = row.emitter.input_ids[0, row.start :]
-            chain = lookup_continuation(text, row.chain_len) if row.chain_len else row.root.new_empty(0)
-            drafts.append(_draft_tree(heads, row.feature, row.root, spec, trees, chain, embed, lm_weight, lm_bias))
+            depth_left = generation_config.max_length - row.emitter.input_ids.shape[1] - 1  # after the bonus token
+            chain_len = min(row.chain_len, depth_left)
+            chain = lookup_continuation(text, chain_len) if chain_len > 0 else row.root.new_empty(0)
+            tokens, tree = _draft_tree(heads, row.feature, row.root, spec, trees, chain, embed, lm_weight, lm_bias)
+            drafts.append(_no_deeper(tokens, tree, depth_left))
             chains.append(chain)
         clock.lap("draft")
         past_len = positions.shape[1]
@@ -292,7 +308,7 @@ def clover_generate(
 
     if streamer is not None:
         streamer.end()
-    sequences = _pad_rows([row.emitter.input_ids[0] for row in rows], generation_config)
+    sequences = _pad_rows([row.emitter.input_ids[0] for row in rows], generation_config).to(caller_device)
     stats.new_tokens = sum(row.emitter.input_ids.shape[1] - prompt_len for row in rows)
     if not want:
         return sequences

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import tempfile
 import warnings
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 import torch
 from huggingface_hub import HfApi
 from torch import nn
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel, StoppingCriteriaList
+from transformers import AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.configuration_utils import GenerationMode
 
@@ -48,6 +49,21 @@ def check_supported(base_config: Any) -> None:
             f"'{model_type}' has recurrent or linear-attention layers ({sorted(odd) or model_type}); their state "
             "cannot be verified as a tree with an attention mask, so Clover cannot decode it exactly."
         )
+
+
+def _length_dependent_rope(base_config: Any) -> tuple[str, int] | None:
+    """(rope_type, limit) when the rotary frequencies change with the longest position in a forward
+    (transformers' "dynamic" and "longrope" types) past `limit` positions; below it they are fixed,
+    so a tree forward reaching ahead of the text rotates exactly as one-token decoding does."""
+    cfg = base_config.get_text_config() if hasattr(base_config, "get_text_config") else base_config
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    for p in params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]:
+        rope_type = str(p.get("rope_type", p.get("type", "")))
+        if "dynamic" in rope_type or rope_type == "longrope":
+            table = getattr(cfg, "max_position_embeddings", None)
+            limit = p.get("original_max_position_embeddings") or table
+            return rope_type, min(limit, table or limit)
+    return None
 
 
 def check_heads_match(config: CloverConfig, base_model: PreTrainedModel) -> None:
@@ -118,7 +134,8 @@ class CloverForCausalLM(nn.Module):
 
         `from_pretrained(heads)` loads the base named in the heads' config; `base_model=` overrides it
         with a path, repo id or loaded model. `from_pretrained(base, clover_heads=heads)` works too.
-        `base_kwargs` (dtype, device_map, attn_implementation, revision, ...) go to the base's loader.
+        `base_kwargs` (dtype, device_map, attn_implementation, revision, ...) go to the base's loader;
+        `token`, `cache_dir`, `local_files_only` and `force_download` apply to the heads and the base.
         """
         if clover_heads is not None:
             if base_model is not None:
@@ -129,7 +146,9 @@ class CloverForCausalLM(nn.Module):
             heads_ref = pretrained_model_name_or_path
             # A bare revision= belongs to the heads repo when the base comes from the heads' config.
             revision = heads_revision or (base_kwargs.pop("revision", None) if base_model is None else None)
-        heads_dir = resolve_heads(heads_ref, revision=revision, token=token, cache_dir=cache_dir)
+        heads_dir = resolve_heads(heads_ref, revision=revision, token=token, cache_dir=cache_dir,
+                                  local_files_only=base_kwargs.get("local_files_only", False),
+                                  force_download=base_kwargs.get("force_download", False))
         if not is_heads_dir(heads_dir):
             raise ValueError(
                 f"'{heads_ref}' holds no Clover heads config ({heads_dir}/config.json with model_type 'clover'). "
@@ -144,6 +163,8 @@ class CloverForCausalLM(nn.Module):
         if not isinstance(base_model, PreTrainedModel):
             if token is not None:
                 base_kwargs.setdefault("token", token)
+            if cache_dir is not None:
+                base_kwargs.setdefault("cache_dir", cache_dir)
             base_model = AutoModelForCausalLM.from_pretrained(base_model, **base_kwargs)
         check_supported(base_model.config)
         heads = load_heads(heads_dir, device=base_model.device, dtype=base_model.dtype)
@@ -158,15 +179,22 @@ class CloverForCausalLM(nn.Module):
         repo_id: str | None = None,
         license: str | None = None,
         datasets: list[str] | None = None,
+        push_to_hub: bool = False,
         **kwargs: Any,
     ) -> None:
         """Write the heads only: config.json, model.safetensors and a README.md model card.
 
         The base is referenced, not copied. `metrics` (the trainer's `training_metrics.json` dict) fills
         the card's "Training and acceptance" section; `repo_id`, `license` and `datasets` go in the card.
+        `push_to_hub=True` then uploads them to `repo_id` (default: the directory's name), as in
+        transformers; `token`, `private` and `commit_message` go to `push_to_hub`.
         """
         directory = save_heads(self.clover_heads, save_directory, safe_serialization=kwargs.get("safe_serialization", True))
         write_model_card(directory, self.clover_config, metrics, license=license, datasets=datasets, repo_id=repo_id)
+        if push_to_hub:
+            self.push_to_hub(repo_id or Path(save_directory).name, metrics=metrics, license=license, datasets=datasets,
+                             token=kwargs.get("token"), private=kwargs.get("private"),
+                             commit_message=kwargs.get("commit_message"))
 
     def push_to_hub(
         self,
@@ -184,6 +212,8 @@ class CloverForCausalLM(nn.Module):
         """Upload the heads and their model card to a Hub repo (created if needed); returns the commit info."""
         api = HfApi(token=token)
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        if revision is not None and not create_pr:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
             self.save_pretrained(tmp, metrics, repo_id=repo_id, license=license, datasets=datasets)
             return api.upload_folder(
@@ -202,6 +232,7 @@ class CloverForCausalLM(nn.Module):
         self,
         inputs: torch.Tensor | None = None,
         generation_config: GenerationConfig | None = None,
+        *args: Any,
         tree: list[list[int]] | dict | None = None,
         lookup: int | None = None,
         lookup_max: int | None = None,
@@ -216,14 +247,18 @@ class CloverForCausalLM(nn.Module):
         step that accepted all of it. Modes Clover does not run yet fall back
         to the base's own `generate`, with a warning saying why.
         """
-        reason = self._unsupported_reason(inputs, generation_config, kwargs)
+        if args:  # the base's positional arguments after generation_config (logits_processor, ...)
+            kwargs.update(zip(list(inspect.signature(GenerationMixin.generate).parameters)[3:], args))
+        config = self._resolved_config(generation_config, kwargs)
+        reason = self._unsupported_reason(inputs, config, kwargs)
         if reason is not None:
             warnings.warn(f"Clover decoding does not support {reason}; using the base model's generate.", stacklevel=2)
             self.generation_stats = None
+            kwargs = {k: v for k, v in kwargs.items() if not k.startswith("clover_")}
             return self.base_model.generate(inputs, generation_config, **kwargs)
         stats = GenerationStats()
         streamer = kwargs.pop("streamer", None)
-        generation_config = self._move_stop_strings(generation_config, kwargs)
+        generation_config = self._move_stop_strings(config, generation_config, kwargs)
         out = self.base_model.generate(
             inputs,
             generation_config,
@@ -240,32 +275,39 @@ class CloverForCausalLM(nn.Module):
         self.generation_stats = stats
         return out
 
-    def _move_stop_strings(self, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig | None:
-        """Turn `stop_strings` into a stopping criterion: `generate` drops `tokenizer` for custom decoders."""
+    def _resolved_config(self, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
+        """The config `generate` will run with: the call's config and keywords over the model's defaults."""
+        options = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        config, _ = self.base_model._prepare_generation_config(copy.deepcopy(generation_config), **options)
+        return config
+
+    def _move_stop_strings(self, config: GenerationConfig, generation_config: GenerationConfig | None,
+                           kwargs: dict) -> GenerationConfig | None:
+        """Turn stop strings into a stopping criterion here: `generate` does not hand `tokenizer` to
+        custom decoders, so its own stop-string criterion could not be built. Returns the config to pass."""
         tokenizer = kwargs.pop("tokenizer", None)
-        stop = kwargs.pop("stop_strings", None)
-        in_config = (generation_config or self.base_model.generation_config).stop_strings
-        if not (stop or in_config):
+        if not config.stop_strings:
             return generation_config
         if tokenizer is None:
             raise ValueError("stop_strings need the model's tokenizer: pass tokenizer=... to generate")
         criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
-        criteria.append(StopStringCriteria(tokenizer, stop or in_config))
+        criteria.append(StopStringCriteria(tokenizer, config.stop_strings))
         kwargs["stopping_criteria"] = criteria
-        if in_config:
-            generation_config = copy.deepcopy(generation_config or self.base_model.generation_config)
+        kwargs.pop("stop_strings", None)
+        if generation_config is not None:
+            generation_config = copy.deepcopy(generation_config)
             generation_config.stop_strings = None
+        if generation_config is None or self.base_model.generation_config.stop_strings:
+            kwargs["stop_strings"] = None  # a keyword wins over the model's default stop strings
         return generation_config
 
-    def _unsupported_reason(self, inputs: Any, generation_config: GenerationConfig | None, kwargs: dict) -> str | None:
+    def _unsupported_reason(self, inputs: Any, config: GenerationConfig, kwargs: dict) -> str | None:
         for key in ("assistant_model", "custom_generate", "past_key_values", "inputs_embeds", "prefix_allowed_tokens_fn"):
             if kwargs.get(key) is not None:
                 return f"`{key}`"
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         if ids is None:
             return "generation without input_ids"
-        probe = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
-        config, _ = self.base_model._prepare_generation_config(copy.deepcopy(generation_config), **probe)
         mode = config.get_generation_mode(kwargs.get("assistant_model"))
         if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
             return f"{mode.value.replace('_', ' ')} (greedy decoding and sampling only)"
@@ -286,4 +328,16 @@ class CloverForCausalLM(nn.Module):
             return "output_attentions / output_hidden_states"
         if kwargs.get("cache_implementation") or config.cache_implementation not in (None, "dynamic"):
             return f"cache_implementation={config.cache_implementation!r}"
+        extra = sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in ("input_ids", "attention_mask"))
+        if extra:
+            return f"model inputs other than input_ids and attention_mask ({', '.join(extra)})"
+        attention = getattr(self.base_model.config, "_attn_implementation", None)
+        if attention not in (None, "eager", "sdpa"):
+            return f"attn_implementation={attention!r}, which takes no tree-shaped attention mask (use 'sdpa' or 'eager')"
+        rope = _length_dependent_rope(self.base_model.config)
+        if rope is not None:
+            max_length = ids.shape[-1] + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
+            if max_length > rope[1]:
+                return (f"rope_type {rope[0]!r} past {rope[1]} positions, where its frequencies depend on the "
+                        "furthest position in a forward")
         return None

@@ -189,7 +189,7 @@ class StepTree:
         n = parents.shape[0]
         ancestors = torch.eye(n, dtype=torch.bool, device=parents.device)
         rows, up = torch.arange(n, device=parents.device), parents
-        for _ in range(max_depth):  # pointer jumping, no host sync: the root points at itself
+        for _ in range(max_depth):  # one level up per pass, no host sync: the root points at itself
             ancestors[rows, up] = True
             up = parents[up]
         return cls(depths, parents, ancestors, max_depth)

@@ -94,6 +94,21 @@ def test_max_length():
     assert same(out, ref) and out.shape[1] == 25
 
 
+@pytest.mark.parametrize("drafting", list(DRAFTING))
+def test_generation_up_to_the_last_learned_position(drafting):
+    # GPT-2 embeds 32 positions here: no tree or chain node may be placed past what the text can reach
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("gpt2", **(ARCHS["gpt2"] | {"n_positions": 32}))
+    base = AutoModelForCausalLM.from_config(config).eval()
+    ids = prompt(5, length=24)
+    ref = base.generate(ids, max_new_tokens=8, do_sample=False)
+    assert ref.shape[1] == 32
+    for clover in (CloverForCausalLM.from_base(base), oracle_model(base, ref)):
+        assert same(clover.generate(ids, max_new_tokens=8, do_sample=False, **DRAFTING[drafting]), ref)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
 def test_eos_inside_accepted_path(arch):
     base = tiny_model(arch)

@@ -156,6 +156,89 @@ def test_unsupported_modes_fall_back_with_one_warning(base, kwargs, reason):
     assert clover.generation_stats is None
 
 
+def falls_back(clover, *args, **kwargs):
+    """clover.generate's output and the reason of its one fallback warning ('' when Clover decoded)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = clover.generate(*args, **kwargs)
+    ours = [str(w.message) for w in caught if "Clover decoding does not support" in str(w.message)]
+    assert len(ours) <= 1
+    return out, ours[0] if ours else ""
+
+
+def test_model_inputs_clover_cannot_pass_fall_back():
+    gpt2 = tiny_model("gpt2")
+    ids = prompt(3)
+    types = torch.ones_like(ids)  # GPT-2 adds token-type embeddings: the output depends on them
+    expected = gpt2.generate(ids, token_type_ids=types, max_new_tokens=10, do_sample=False)
+    assert not torch.equal(expected, gpt2.generate(ids, max_new_tokens=10, do_sample=False))
+    out, reason = falls_back(CloverForCausalLM.from_base(gpt2), ids, token_type_ids=types, max_new_tokens=10,
+                             do_sample=False)
+    assert "token_type_ids" in reason and torch.equal(out, expected)
+
+
+def test_attention_without_tree_masks_falls_back(monkeypatch):
+    base = tiny_model("llama")
+    clover = CloverForCausalLM.from_base(base)
+    ids = prompt(3)
+    expected = base.generate(ids, max_new_tokens=8, do_sample=False)
+    monkeypatch.setattr(base.config, "_attn_implementation", "flash_attention_2")
+    calls = []
+    monkeypatch.setattr(base, "generate", lambda *a, **k: calls.append(k) or expected)  # no flash kernels on CPU
+    out, reason = falls_back(clover, ids, max_new_tokens=8, do_sample=False, clover_profile=True)
+    assert "flash_attention_2" in reason and out is expected
+    assert calls and "custom_generate" not in calls[0] and "clover_profile" not in calls[0]
+
+
+def test_dynamic_rope_runs_clover_within_its_original_length_only():
+    config = AutoConfig.for_model("llama", vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, intermediate_size=128, max_position_embeddings=40,
+                                  rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config).eval()
+    clover = CloverForCausalLM.from_base(base)
+    ids = prompt(3)
+    for new, falls in ((30, False), (50, True)):  # 10 + 30 stays within 40 positions, 10 + 50 does not
+        expected = base.generate(ids, max_new_tokens=new, do_sample=False, pad_token_id=0)
+        out, reason = falls_back(clover, ids, max_new_tokens=new, do_sample=False, pad_token_id=0, lookup=6)
+        assert torch.equal(out, expected)
+        assert ("'dynamic' past 40 positions" in reason) == falls
+
+
+def test_stop_strings_from_the_model_defaults_with_an_explicit_config(base):
+    from transformers import GenerationConfig
+
+    tok = byte_tokenizer()
+    clover = CloverForCausalLM.from_base(base)
+    ids = prompt(7)
+    free = base.generate(ids, max_new_tokens=30, do_sample=False)
+    new = free[0, ids.shape[1] :].tolist()
+    k = next(i for i in range(5, len(new) - 1) if all(33 <= t <= 126 for t in new[i : i + 2]))  # printable bytes
+    stop = tok.decode(new[k : k + 2])
+    config = GenerationConfig(max_new_tokens=30, do_sample=False, pad_token_id=0)
+    base.generation_config.stop_strings = [stop]
+    try:
+        expected = base.generate(ids, generation_config=config, tokenizer=tok)
+        out = clover.generate(ids, generation_config=config, tokenizer=tok)
+    finally:
+        base.generation_config.stop_strings = None
+    assert expected.shape[1] < free.shape[1] and torch.equal(out, expected)
+    assert clover.generation_stats is not None
+
+
+def test_positional_arguments_mean_what_they_mean_to_the_base(base):
+    from transformers import LogitsProcessorList, NoBadWordsLogitsProcessor
+
+    clover = CloverForCausalLM.from_base(base)
+    ids = prompt(4)
+    free = base.generate(ids, max_new_tokens=12, do_sample=False)
+    banned = LogitsProcessorList([NoBadWordsLogitsProcessor([[int(free[0, ids.shape[1] + 2])]], eos_token_id=None)])
+    expected = base.generate(ids, None, banned, max_new_tokens=12, do_sample=False)
+    assert not torch.equal(expected, free)
+    assert torch.equal(clover.generate(ids, None, banned, max_new_tokens=12, do_sample=False), expected)
+    assert clover.generation_stats is not None
+
+
 def test_pipeline_text_generation(base):
     tok = byte_tokenizer()
     clover = CloverForCausalLM.from_base(base)
