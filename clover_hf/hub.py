@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -26,28 +27,31 @@ HEADS_FILES = [CONFIG_NAME, WEIGHTS_NAME, "README.md"]
 
 def is_heads_dir(path: str | Path) -> bool:
     """Whether a local directory holds Clover heads (a config with model_type 'clover')."""
-    config = Path(path) / CONFIG_NAME
     try:
-        return config.is_file() and '"clover"' in config.read_text()
-    except OSError:
+        return json.loads((Path(path) / CONFIG_NAME).read_text()).get("model_type") == "clover"
+    except (OSError, ValueError, AttributeError):
         return False
 
 
 def resolve_heads(path_or_repo: str | Path, revision: str | None = None, token: str | bool | None = None,
-                  cache_dir: str | Path | None = None) -> Path:
+                  cache_dir: str | Path | None = None, local_files_only: bool = False,
+                  force_download: bool = False) -> Path:
     """Local directory of the heads: the path itself, or a download of the Hub repo's heads files.
 
     Only config.json, model.safetensors and README.md are fetched: nothing executable, no pickles.
+    The config comes first, so a repo that holds no heads (a base model, say) is not downloaded.
     """
     path = Path(path_or_repo)
     if path.is_dir():
         return path
     repo_id = str(path_or_repo)
     where = f"Clover heads '{repo_id}' (revision {revision or 'main'})"
+    options = dict(revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only,
+                   force_download=force_download)
     try:
-        local = snapshot_download(
-            repo_id, revision=revision, allow_patterns=HEADS_FILES, token=token, cache_dir=cache_dir
-        )
+        local = snapshot_download(repo_id, allow_patterns=[CONFIG_NAME], **options)
+        if is_heads_dir(local):
+            local = snapshot_download(repo_id, allow_patterns=HEADS_FILES, **options)
     except HFValidationError:
         raise OSError(f"'{repo_id}' is neither a local directory nor a valid Hub repo id ('org/name').") from None
     except IncompleteSnapshotError as err:

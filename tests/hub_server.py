@@ -154,6 +154,7 @@ class _Handler(BaseHTTPRequestHandler):
         ("GET", _API + r"/commits/(?P<rev>[^/]+)$", "commits"),
         ("POST", _API + r"/preupload/(?P<rev>[^/]+)$", "preupload"),
         ("POST", _API + r"/commit/(?P<rev>[^/]+)$", "commit"),
+        ("POST", _API + r"/branch/(?P<branch>[^/]+)$", "create_branch"),
         ("GET", r"^/(?:(?P<t>datasets|spaces)/)?" + _REPO + r"/resolve/(?P<rev>[^/]+)/(?P<path>.+)$", "resolve"),
     ]
 
@@ -302,6 +303,16 @@ class _Handler(BaseHTTPRequestHandler):
         _, r = self._repo(t, repo)
         branches = [{"name": b, "ref": f"refs/heads/{b}", "targetCommit": s} for b, s in r.branches.items()]
         self._json({"branches": branches, "converts": [], "tags": [], "pullRequests": []})
+
+    def h_create_branch(self, t: str, repo: str, branch: str) -> None:
+        self._need_write()
+        _, r = self._repo(t, repo)
+        branch = unquote(branch)
+        if branch in r.branches:
+            raise HubError(409, f"Reference already exists: refs/heads/{branch}")
+        start = json.loads(self.body or b"{}").get("startingPoint") or "main"
+        r.branches[branch] = r.resolve(start)
+        self._json({})
 
     def h_commits(self, t: str, repo: str, rev: str) -> None:
         _, r = self._repo(t, repo)

@@ -273,3 +273,29 @@ def test_card_for_a_local_base_names_no_hub_model(tmp_path):
 def test_a_missing_local_directory_is_not_sent_to_the_hub(tmp_path):
     with pytest.raises(OSError, match="neither a local directory nor a valid Hub repo id"):
         CloverForCausalLM.from_pretrained(str(tmp_path / "no" / "such-heads"))
+
+
+def test_push_to_a_new_branch_and_load_it(hub_server):
+    base = push_base()
+    main, branch = heads_for(base, seed=4), heads_for(base, seed=5)
+    main.push_to_hub(HEADS_REPO)
+    branch.push_to_hub(HEADS_REPO, revision="v2")  # the branch does not exist yet
+    assert_same_heads(CloverForCausalLM.from_pretrained(HEADS_REPO), main)
+    assert_same_heads(CloverForCausalLM.from_pretrained(HEADS_REPO, heads_revision="v2"), branch)
+
+
+def test_save_pretrained_can_push(hub_server, tmp_path):
+    base = push_base()
+    clover = heads_for(base, seed=6)
+    clover.save_pretrained(tmp_path / "tiny-heads", push_to_hub=True, repo_id=HEADS_REPO)
+    assert sorted(list_repo_files(HEADS_REPO)) == HEADS_FILES
+    assert_same_heads(CloverForCausalLM.from_pretrained(HEADS_REPO), clover)
+
+
+def test_a_base_repo_as_heads_is_refused_before_its_weights_download(hub_server):
+    push_base()
+    before = len(hub_server.requests)
+    with pytest.raises(ValueError, match="holds no Clover heads config.*clover_heads=heads"):
+        CloverForCausalLM.from_pretrained(BASE_REPO)
+    fetched = {p.rsplit("/", 1)[-1] for m, p in list(hub_server.requests)[before:] if p.startswith(f"/{BASE_REPO}/resolve/")}
+    assert fetched == {"config.json"}
