@@ -179,7 +179,7 @@ def step_breakdown(result: MethodResult) -> str:
             f"{100 * verify / total:.0f}% of a step, so a step costs {total / verify:.2f}x one verify forward")
 
 
-def plot(results: dict[str, MethodResult], max_depth: int, path: str | Path) -> Path | None:
+def plot(results: dict[str, MethodResult], path: str | Path) -> Path | None:
     """Speedup bars and the accepted-length histogram as a PNG (needs matplotlib)."""
     try:
         import matplotlib
@@ -196,7 +196,8 @@ def plot(results: dict[str, MethodResult], max_depth: int, path: str | Path) -> 
     a.set_ylabel("speedup over plain generate")
     a.tick_params(axis="x", labelrotation=20)
     drafted = [r for r in results.values() if r.accepted_lengths]
-    b.hist([r.accepted_lengths for r in drafted], bins=range(max_depth + 2), align="left", label=[r.name for r in drafted])
+    longest = max((max(r.accepted_lengths) for r in drafted), default=0)  # lookup chains run past the heads
+    b.hist([r.accepted_lengths for r in drafted], bins=range(longest + 2), align="left", label=[r.name for r in drafted])
     b.legend()
     b.set_xlabel("drafted tokens accepted per step")
     b.set_ylabel("steps")

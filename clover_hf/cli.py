@@ -128,7 +128,7 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
                f"{breakdown}")
     (out / "results.md").write_text(summary + "\n")
     (out / "results.json").write_text(json.dumps({n: vars(r) for n, r in results.items()}, indent=1))
-    png = bench.plot(results, depth, out / "plot.png")
+    png = bench.plot(results, out / "plot.png")
     print(summary)
     print(f"written: {out / 'results.md'}" + (f", {png}" if png else " (pip install matplotlib for the plot)"))
 
