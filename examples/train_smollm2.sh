@@ -8,6 +8,7 @@
 #   3. Warm start from 2: ShareGPT records 1200-2399 the same way, plus the features of stages 1 and 2.
 #   4. Warm start from 3: ShareGPT records 2400-3599 the same way, plus the features of stages 1-3.
 #   5. Warm start from 4: ShareGPT records 3600-4799 the same way, plus the features of stages 1-4.
+#   6. Warm start from 5: ShareGPT records 4800-5999 the same way, plus the features of stages 1-5.
 # MT-Bench is never used for training (it is the benchmark).
 set -euo pipefail
 BASE=$(python -c "import torch; from clover_hf.embedded import base_model_path; print(base_model_path(torch.bfloat16))")
@@ -35,7 +36,12 @@ clover-hf train "${COMMON[@]}" --data sharegpt --skip-records 3600 --max-records
     runs/smol-data/features-*/ --init-heads runs/smol-mix3/heads --max-steps 900 --lr 6e-4 --eval-every 300 \
     --output-dir runs/smol-mix4
 
+clover-hf train "${COMMON[@]}" --data sharegpt --skip-records 4800 --max-records 1200 --max-length 512 \
+    --extra-features runs/smol-mix4/features-*/ runs/smol-mix3/features-*/ runs/smol-mix2/features-*/ \
+    runs/smol-mix/features-*/ runs/smol-data/features-*/ --init-heads runs/smol-mix4/heads --max-steps 900 --lr 6e-4 \
+    --eval-every 300 --output-dir runs/smol-mix5
+
 # packaged with the static tree and lookup chain that were fastest in a sweep on 8 MT-Bench prompts (bf16);
 # the chain doubles up to 20 tokens while the text copies earlier text
-python examples/package_heads.py runs/smol-mix4/heads \
+python examples/package_heads.py runs/smol-mix5/heads \
     --tree '[[0],[1],[2],[3],[4],[0,0],[0,1],[1,0],[2,0],[0,0,0]]' --lookup 5 --lookup-max 20
