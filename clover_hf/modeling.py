@@ -20,7 +20,7 @@ from .card import write_model_card
 from .config import CloverConfig
 from .decoding import GenerationStats, clover_generate
 from .heads import CloverHeads
-from .hub import is_heads_dir, load_heads, resolve_heads, save_heads
+from .hub import HEADS_FILES, is_heads_dir, load_heads, resolve_heads, save_heads
 
 # Architectures whose attention cannot take a tree mask, or whose state is not a KV cache.
 ALIBI_MODEL_TYPES = {"bloom", "mpt", "baichuan", "jais"}
@@ -181,20 +181,34 @@ class CloverForCausalLM(nn.Module):
         datasets: list[str] | None = None,
         push_to_hub: bool = False,
         **kwargs: Any,
-    ) -> None:
+    ) -> Any:
         """Write the heads only: config.json, model.safetensors and a README.md model card.
 
         The base is referenced, not copied. `metrics` (the trainer's `training_metrics.json` dict) fills
         the card's "Training and acceptance" section; `repo_id`, `license` and `datasets` go in the card.
-        `push_to_hub=True` then uploads them to `repo_id` (default: the directory's name), as in
-        transformers; `token`, `private` and `commit_message` go to `push_to_hub`.
+        `push_to_hub=True` then uploads those three files to `repo_id` (default: the directory's name,
+        created if needed), as in transformers; `token`, `private`, `commit_message`, `revision` and
+        `create_pr` apply to the upload, whose commit info is returned.
         """
+        if push_to_hub:
+            api = HfApi(token=kwargs.get("token"))
+            repo_id = api.create_repo(repo_id or Path(save_directory).name, private=kwargs.get("private"),
+                                      exist_ok=True).repo_id
+            revision, create_pr = kwargs.get("revision"), kwargs.get("create_pr", False)
+            if revision is not None and not create_pr:
+                api.create_branch(repo_id, branch=revision, exist_ok=True)
         directory = save_heads(self.clover_heads, save_directory, safe_serialization=kwargs.get("safe_serialization", True))
         write_model_card(directory, self.clover_config, metrics, license=license, datasets=datasets, repo_id=repo_id)
-        if push_to_hub:
-            self.push_to_hub(repo_id or Path(save_directory).name, metrics=metrics, license=license, datasets=datasets,
-                             token=kwargs.get("token"), private=kwargs.get("private"),
-                             commit_message=kwargs.get("commit_message"))
+        if not push_to_hub:
+            return None
+        return api.upload_folder(
+            repo_id=repo_id,
+            folder_path=directory,
+            allow_patterns=HEADS_FILES,  # the heads' files only, whatever else the directory holds
+            commit_message=kwargs.get("commit_message") or "Upload Clover heads",
+            revision=revision,
+            create_pr=create_pr,
+        )
 
     def push_to_hub(
         self,
@@ -210,19 +224,10 @@ class CloverForCausalLM(nn.Module):
         datasets: list[str] | None = None,
     ) -> Any:
         """Upload the heads and their model card to a Hub repo (created if needed); returns the commit info."""
-        api = HfApi(token=token)
-        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-        if revision is not None and not create_pr:
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
-            self.save_pretrained(tmp, metrics, repo_id=repo_id, license=license, datasets=datasets)
-            return api.upload_folder(
-                repo_id=repo_id,
-                folder_path=tmp,
-                commit_message=commit_message or "Upload Clover heads",
-                revision=revision,
-                create_pr=create_pr,
-            )
+            return self.save_pretrained(tmp, metrics, repo_id=repo_id, license=license, datasets=datasets,
+                                        push_to_hub=True, commit_message=commit_message, private=private,
+                                        token=token, revision=revision, create_pr=create_pr)
 
     # -- running -----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -320,7 +325,7 @@ class CloverForCausalLM(nn.Module):
             return "streaming a batch"
         if rows > 1 and config.return_dict_in_generate and (config.output_scores or config.output_logits):
             return "output_scores / output_logits for a batch"
-        early_stop = kwargs.get("stopping_criteria") or kwargs.get("stop_strings") or config.stop_strings or config.max_time
+        early_stop = kwargs.get("stopping_criteria") or config.stop_strings or config.max_time  # config has the call's stop_strings
         if rows > 1 and config.eos_token_id is None and early_stop:
             # without an eos_token_id transformers keeps generating for rows that stopped, until all have
             return "a batch with stopping criteria but no eos_token_id"
