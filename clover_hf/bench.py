@@ -1,4 +1,5 @@
-"""Speed benchmark: plain `generate`, Clover and prompt-lookup decoding, interleaved prompt by prompt.
+"""Speed benchmark: plain `generate`, Clover, the Medusa baseline and prompt-lookup decoding,
+interleaved prompt by prompt.
 
 Every method runs on the same prompts in the same process, so ratios are measured side by side.
 """
@@ -92,7 +93,8 @@ def encode_batches(tokenizer, prompts: list[str], batch_size: int, device) -> li
 def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 128, do_sample: bool = False,
                   prompt_lookup: bool = True, warmup: int = 1, profile: bool = True,
                   clover_runs: dict[str, dict] | None = None, temperature: float | None = None,
-                  batch_size: int = 1, log=print) -> dict[str, MethodResult]:
+                  batch_size: int = 1, baselines: dict[str, object] | None = None, log=print
+                  ) -> dict[str, MethodResult]:
     """Interleave the methods on each prompt (or batch of prompts); plain `generate` is the reference
     for identity and speed.
 
@@ -100,7 +102,8 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
     numbers differently, so identical outputs are not expected (the table shows "-").
 
     `clover_runs` names Clover variants and their extra `generate` arguments (default: one run with
-    the heads' own settings). `profile` times Clover's stages (it syncs the device at each stage, so
+    the heads' own settings). `baselines` names other heads on the same base, as `CloverForCausalLM`s
+    (the Medusa baseline), each run with its own settings. `profile` times Clover's stages (it syncs the device at each stage, so
     it is free only on CPU). With `batch_size` > 1 prompts run in left-padded batches; transformers'
     prompt lookup decodes one sequence at a time, so it is left out; tokens/step counts the tokens
     of all rows per forward.
@@ -111,8 +114,11 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
         kwargs["temperature"] = temperature
     clover_runs = clover_runs or {"clover": {}}
     methods = {"plain generate": lambda inputs: base.generate(**inputs, **kwargs)}
-    for name, extra in clover_runs.items():
-        methods[name] = lambda inputs, extra=extra: model.generate(**inputs, clover_profile=profile, **extra, **kwargs)
+    drafting = {name: (model, extra) for name, extra in clover_runs.items()}
+    drafting |= {name: (other, {}) for name, other in (baselines or {}).items()}
+    for name, (drafter, extra) in drafting.items():
+        methods[name] = lambda inputs, drafter=drafter, extra=extra: drafter.generate(
+            **inputs, clover_profile=profile, **extra, **kwargs)
     if prompt_lookup and batch_size == 1:
         methods["prompt lookup (10)"] = lambda inputs: base.generate(**inputs, prompt_lookup_num_tokens=10, **kwargs)
     results = {name: MethodResult(name) for name in methods}
@@ -132,11 +138,12 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
             r.seconds += seconds
             r.new_tokens += sum(_generated_lengths(out, prompt_len, eos))
             r.prompts += out.shape[0]
-            if name in clover_runs and model.generation_stats is not None:
-                r.steps += model.generation_stats.steps
-                r.verify_steps += model.generation_stats.steps - 1
-                r.accepted_lengths += model.generation_stats.accepted_lengths
-                for stage, sec in model.generation_stats.stage_seconds.items():
+            stats = drafting[name][0].generation_stats if name in drafting else None
+            if stats is not None:
+                r.steps += stats.steps
+                r.verify_steps += stats.steps - 1
+                r.accepted_lengths += stats.accepted_lengths
+                for stage, sec in stats.stage_seconds.items():
                     r.stage_seconds[stage] = r.stage_seconds.get(stage, 0.0) + sec
             elif name == "plain generate":
                 r.steps += out.shape[1] - prompt_len

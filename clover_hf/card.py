@@ -19,7 +19,7 @@ from huggingface_hub.utils import validate_repo_id
 
 from .config import CloverConfig
 from .embedded import MARKER_FILE
-from .heads import CloverHeads
+from .heads import build_heads
 
 TEMPLATE_NAME = "MODEL_CARD.md"
 LIBRARY_NAME = "clover-hf"
@@ -53,7 +53,8 @@ def render_model_card(
     hub_base = base_model_hub_id(base)
     if datasets is None:
         datasets = [KNOWN_DATASETS[d] for d in _data_sources(metrics) if d in KNOWN_DATASETS] or None
-    tags = TAGS + ([config.base_model_type] if config.base_model_type else [])
+    tags = TAGS + (["medusa"] if config.head_type == "medusa" else []) + (
+        [config.base_model_type] if config.base_model_type else [])
     front = ModelCardData(
         base_model=hub_base, library_name=LIBRARY_NAME, license=license, datasets=datasets,
         pipeline_tag="text-generation", tags=tags, base_model_relation="adapter" if hub_base else None,
@@ -90,10 +91,7 @@ def render_model_card(
         base_for_code=base_for_code,
         load_line=load_line,
         num_heads=config.num_heads,
-        num_augment_layers=config.num_augment_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        intermediate_size=config.intermediate_size,
+        **ARCHITECTURES[config.head_type](config),
         hidden_size=config.hidden_size,
         draft_vocab=(f"{config.draft_vocab_size:,} most frequent of {config.vocab_size:,} tokens"
                      if config.draft_vocab_size else f"all {config.vocab_size:,} tokens"),
@@ -102,6 +100,37 @@ def render_model_card(
         training=training_section(metrics),
     )
     return load_template().substitute(values)
+
+
+def _clover_words(config: CloverConfig) -> dict[str, str]:
+    return dict(
+        heads_title="Clover draft heads",
+        heads_style="[Clover](https://arxiv.org/abs/2405.00263)",
+        body_row=(f"| Augmenting Block | {config.num_augment_layers} decoder layer(s), {config.num_attention_heads} "
+                  f"attention heads ({config.num_key_value_heads} KV heads), MLP size {config.intermediate_size} |"),
+        architecture_text=(
+            "An Attention Decoder merges the base model's last hidden state with the embedding of the next token;\n"
+            "the Augmenting Block runs over the accepted tokens with its own KV cache; head *i* drafts the token\n"
+            "*i*+2 positions ahead, and through the Regressive Connection head *i*+1 also sees the token drafted at\n"
+            "depth *i*. Every head's features go through the base model's frozen lm_head."
+        ),
+    )
+
+
+def _medusa_words(config: CloverConfig) -> dict[str, str]:
+    return dict(
+        heads_title="Medusa draft heads (the baseline for Clover)",
+        heads_style="[Medusa](https://arxiv.org/abs/2401.10774)-1, the baseline Clover is measured against,",
+        body_row="| each head | one residual block, x + SiLU(Wx + b) |",
+        architecture_text=(
+            "Head *i* maps the base model's last hidden state through its own residual block to the token *i*+2\n"
+            "positions ahead, without seeing the tokens drafted before it, so every node of a depth draws from the\n"
+            "same top-k. The heads share the base model's frozen lm_head (restricted to the draft vocabulary)."
+        ),
+    )
+
+
+ARCHITECTURES = {"clover": _clover_words, "medusa": _medusa_words}  # card wording per CloverConfig.head_type
 
 
 def tree_summary(config: CloverConfig) -> str:
@@ -152,7 +181,7 @@ def _is_repo_id(name: Any) -> bool:
 
 def num_parameters(config: CloverConfig) -> int:
     with torch.device("meta"):
-        return sum(p.numel() for p in CloverHeads(config).parameters())
+        return sum(p.numel() for p in build_heads(config).parameters())
 
 
 def training_section(metrics: dict[str, Any]) -> str:

@@ -10,7 +10,7 @@ Examples:
 
     # an interrupted run resumes from its last checkpoint when started again with the same command
 
-    # speed on the embedded SmolLM2 with the shipped heads: plain generate vs Clover vs prompt lookup
+    # speed on the embedded SmolLM2 with the shipped heads: plain generate vs Clover vs Medusa vs prompt lookup
     clover-hf bench --dtype bfloat16 --limit 80 --max-new-tokens 128
 """
 
@@ -54,7 +54,7 @@ def make_parser() -> argparse.ArgumentParser:
     _add_dataclass_args(train, TrainConfig)
     train.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="upload the trained heads to this repo")
 
-    bench = sub.add_parser("bench", help="tokens/s of plain generate, Clover and prompt lookup, side by side")
+    bench = sub.add_parser("bench", help="tokens/s of plain generate, Clover, Medusa and prompt lookup, side by side")
     bench.add_argument("--heads", default=None, help="heads dir or repo (default: the shipped SmolLM2 heads)")
     bench.add_argument("--base-model", default=None, help="base model (default: the heads' base, or embedded SmolLM2)")
     bench.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
@@ -64,6 +64,10 @@ def make_parser() -> argparse.ArgumentParser:
     bench.add_argument("--do-sample", action="store_true", help="sampling instead of greedy")
     bench.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the model's)")
     bench.add_argument("--no-prompt-lookup", action="store_true", help="skip HF prompt-lookup decoding")
+    bench.add_argument("--medusa-heads", default=None,
+                       help="Medusa baseline heads (dir or repo) for the same base (default: the shipped ones, "
+                            "when the shipped Clover heads are benchmarked)")
+    bench.add_argument("--no-medusa", action="store_true", help="skip the Medusa baseline")
     bench.add_argument("--batch-size", type=int, default=1,
                        help="prompts per generate call, left-padded (prompt lookup runs only at batch 1)")
     bench.add_argument("--variants", default=None,
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_sample, temperature,
-                  no_prompt_lookup, batch_size, variants, threads, out_dir) -> None:
+                  no_prompt_lookup, medusa_heads, no_medusa, batch_size, variants, threads, out_dir) -> None:
     import json
     from pathlib import Path
 
@@ -99,21 +103,32 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
     from transformers import AutoTokenizer
 
     from . import bench, embedded
+    from .hub import load_heads, resolve_heads
     from .modeling import CloverForCausalLM
 
     if threads:
         torch.set_num_threads(threads)
     torch_dtype = getattr(torch, dtype)
+    shipped = heads is None
     heads = heads or str(embedded.shipped_heads_path())
     if base_model is None and heads == str(embedded.shipped_heads_path()):
         base_model = str(embedded.base_model_path(torch_dtype))
     model = CloverForCausalLM.from_pretrained(heads, base_model=base_model, dtype=torch_dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(base_model or model.clover_config.base_model_name_or_path)
     texts = bench.read_prompts(prompts, limit)
+    baselines = {}
+    if not no_medusa and (medusa_heads or shipped):
+        path = resolve_heads(medusa_heads) if medusa_heads else embedded.shipped_heads_path("medusa")
+        medusa = load_heads(path, device=model.device, dtype=torch_dtype)
+        if medusa.config.head_type != "medusa":
+            raise ValueError(f"--medusa-heads {medusa_heads} holds {medusa.config.head_type} heads, not Medusa's")
+        baselines["medusa"] = CloverForCausalLM(model.base_model, medusa)
     runs = {f"clover ({name})": kwargs for name, kwargs in json.loads(variants).items()} if variants else None
     results = bench.run_benchmark(model, tokenizer, texts, max_new_tokens, do_sample, not no_prompt_lookup,
-                                  clover_runs=runs, temperature=temperature, batch_size=batch_size)
+                                  clover_runs=runs, temperature=temperature, batch_size=batch_size,
+                                  baselines=baselines)
     lookups = [model.clover_config.lookup_tokens, *(kw.get("lookup") or 0 for kw in (runs or {}).values())]
+    lookups += [other.clover_config.lookup_tokens for other in baselines.values()]
     depth = max(model.clover_config.num_heads, *lookups)
     breakdown = "\n\n".join(filter(None, (bench.step_breakdown(r) for r in results.values())))
     table = bench.markdown_table(results, depth, sampled=do_sample)

@@ -9,6 +9,7 @@ from typing import Any
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+HEAD_TYPES = ("clover", "medusa")
 
 # A 25-node tree (plus the root) in the Medusa path format: each path lists the top-k rank chosen at
 # every depth. Shaped like Medusa's sparse trees: wide near the root where heads are accurate,
@@ -84,6 +85,10 @@ class CloverConfig:
         metadata={"help": "While the text copies earlier text (a whole chain accepted), the next chain doubles, "
                           "up to this length (0: the chain stays lookup_tokens long)."},
     )
+    head_type: str = field(
+        default="clover",
+        metadata={"help": "'clover', or 'medusa' for the Medusa-1 baseline heads (same loading, training, decoding)."},
+    )
     model_type: str = field(default="clover", metadata={"help": "Marks a Clover heads config."})
 
     def __post_init__(self) -> None:
@@ -112,6 +117,10 @@ class CloverConfig:
             if spec.depth > self.num_heads:
                 raise ValueError(f"dynamic_tree depth {spec.depth} exceeds the {self.num_heads} heads that draft it")
             self.dynamic_tree = {"depth": spec.depth, "width": spec.width, "nodes": spec.nodes}
+        if self.head_type not in HEAD_TYPES:
+            raise ValueError(f"head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
+        if self.head_type == "medusa" and self.dynamic_tree is not None:
+            raise ValueError("Medusa heads draft static trees only: drop dynamic_tree and give `tree` (paths)")
         if self.lookup_tokens < 0:
             raise ValueError(f"lookup_tokens must be >= 0, got {self.lookup_tokens}")
         if self.lookup_max_tokens < 0:

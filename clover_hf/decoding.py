@@ -15,7 +15,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import compact_cache, new_cache, select_rows, select_slots
-from .heads import AugmentCache, CloverHeads
+from .heads import AugmentCache, DraftHeads
 from .lookup import lookup_continuation
 from .tree import DynamicTree, StepTree, TreeBuffers, build_tree, select_dynamic, with_chain
 from .verification import MaskLayout, accept_greedy, accept_sampled, process_tree_logits, sample_token
@@ -138,7 +138,7 @@ def _tree_spec(tree: list[list[int]] | DynamicTree | dict | None, config) -> lis
     return DynamicTree(**tree) if isinstance(tree, dict) else tree
 
 
-def _draft_tree(heads: CloverHeads, feature, root, spec, trees, chain, embed, lm_weight, lm_bias
+def _draft_tree(heads: DraftHeads, feature, root, spec, trees, chain, embed, lm_weight, lm_bias
                 ) -> tuple[torch.Tensor, TreeBuffers | StepTree]:
     """This step's node tokens (root first) and the tree that verifies them."""
     if trees is not None:
@@ -173,7 +173,7 @@ def clover_generate(
     generation_config: GenerationConfig,
     synced_gpus: bool = False,
     streamer: object | None = None,
-    clover_heads: CloverHeads | None = None,
+    clover_heads: DraftHeads | None = None,
     clover_tree: list[list[int]] | DynamicTree | dict | None = None,
     clover_lookup: int | None = None,
     clover_lookup_max: int | None = None,

@@ -135,9 +135,11 @@ def _convert(gguf_path: Path, out_dir: Path, dtype: torch.dtype) -> None:
     (out_dir / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
 
-def shipped_heads_path() -> Path:
-    """Directory of the Clover heads for SmolLM2-135M-Instruct that ship inside this package."""
-    return Path(__file__).parent / "pretrained" / "smollm2-135m-instruct"
+def shipped_heads_path(head_type: str = "clover") -> Path:
+    """Directory of the heads for SmolLM2-135M-Instruct that ship inside this package: Clover's, or
+    (head_type="medusa") the Medusa baseline's that `clover-hf bench` compares them with."""
+    name = "smollm2-135m-instruct" + ("" if head_type == "clover" else f"-{head_type}")
+    return Path(__file__).parent / "pretrained" / name
 
 
 def load_default(dtype: torch.dtype = torch.bfloat16, cache_dir: str | Path | None = None):

@@ -1,4 +1,5 @@
-"""Clover draft heads: Augmenting Block, Attention Decoder, Regressive Connection, output heads.
+"""Draft heads: Clover's (Augmenting Block, Attention Decoder, Regressive Connection, output heads)
+and Medusa-1's, the baseline Clover is measured against.
 
 The heads never hold vocabulary-sized weights: token embeddings and the lm_head come from the base
 model at run time and are passed in explicitly (`embed`, `lm_weight`, `lm_bias`).
@@ -139,22 +140,50 @@ class OutputHead(nn.Module):
         return self.norm(s + F.silu(self.fc(torch.cat([s, e], dim=-1))))
 
 
-class CloverHeads(nn.Module):
-    """All of Clover's trainable parts. Head i drafts the token i+2 positions after the state's token."""
+class DraftHeads(nn.Module):
+    """What every kind of draft heads shares: the config, the draft vocabulary and its lm_head rows.
+
+    Subclasses provide `features` (per accepted position, with an optional cache), `forward` (the
+    teacher-forced training pass) and `draft` (a static tree's tokens), so training and the decoding
+    loop serve them all.
+    """
 
     def __init__(self, config: CloverConfig) -> None:
         super().__init__()
         self.config = config
-        self.input_decoder = AttentionDecoder(config)
-        self.augment = nn.ModuleList(AugmentLayer(config) for _ in range(config.num_augment_layers))
-        self.augment_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.regressive = AttentionDecoder(config)
-        self.heads = nn.ModuleList(OutputHead(config) for _ in range(config.num_heads))
         if config.draft_vocab_size is not None:
             # Which base-vocabulary ids the heads draft from; filled by training (most frequent tokens).
             self.register_buffer("draft_token_ids", torch.arange(config.draft_vocab_size), persistent=True)
         else:
             self.draft_token_ids = None
+
+    def draft_lm_head(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The base lm_head's weight and bias restricted to the draft vocabulary (all rows without one)."""
+        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+        if self.draft_token_ids is None:
+            return weight, bias
+        return weight[self.draft_token_ids], None if bias is None else bias[self.draft_token_ids]
+
+    def draft_logits(
+        self, hidden: torch.Tensor, lm_weight: torch.Tensor, lm_bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return F.linear(hidden.to(lm_weight.dtype), lm_weight, lm_bias)
+
+    def init_from_base(self, base_model: nn.Module) -> bool:
+        """Copy what fits from the base into fresh heads; returns whether anything was copied."""
+        return False
+
+
+class CloverHeads(DraftHeads):
+    """All of Clover's trainable parts. Head i drafts the token i+2 positions after the state's token."""
+
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__(config)
+        self.input_decoder = AttentionDecoder(config)
+        self.augment = nn.ModuleList(AugmentLayer(config) for _ in range(config.num_augment_layers))
+        self.augment_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.regressive = AttentionDecoder(config)
+        self.heads = nn.ModuleList(OutputHead(config) for _ in range(config.num_heads))
 
     # -- features -------------------------------------------------------------------------------
     def features(
@@ -193,18 +222,6 @@ class CloverHeads(nn.Module):
             s = s[:, :L] if i == 0 else self.regressive(s[:, :L], e)
             outs.append(head(s, e))
         return outs
-
-    def draft_lm_head(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The base lm_head's weight and bias restricted to the draft vocabulary (all rows without one)."""
-        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
-        if self.draft_token_ids is None:
-            return weight, bias
-        return weight[self.draft_token_ids], None if bias is None else bias[self.draft_token_ids]
-
-    def draft_logits(
-        self, hidden: torch.Tensor, lm_weight: torch.Tensor, lm_bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        return F.linear(hidden.to(lm_weight.dtype), lm_weight, lm_bias)
 
     @torch.no_grad()
     def draft(
@@ -307,6 +324,78 @@ class CloverHeads(nn.Module):
                     own[ours].copy_(src[theirs])
                     copied = True
         return copied
+
+
+class ResBlock(nn.Module):
+    """Medusa's residual block x + SiLU(Wx + b); zero weights make it the identity at the start."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(DraftHeads):
+    """Medusa-1 heads (Cai et al., 2024), the baseline Clover is measured against.
+
+    Head i maps the base's last hidden state at t through one residual block to the token at t+2+i,
+    independently of the tokens drafted before it: every node of a depth draws from the same top-k.
+    As built here they share the base's lm_head and Clover's draft vocabulary, and train with the
+    same recipe and data, so a comparison isolates the heads' architecture.
+    """
+
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__(config)
+        self.heads = nn.ModuleList(ResBlock(config.hidden_size) for _ in range(config.num_heads))
+
+    def features(
+        self,
+        hidden: torch.Tensor,
+        next_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        cache: None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, None]:
+        """Medusa reads the base's hidden states as they are and keeps no cache."""
+        return hidden, None
+
+    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor) -> list[torch.Tensor]:
+        """Teacher-forced pass, shaped as `CloverHeads.forward`: head i at t = 0..T-2-i predicts x_{t+2+i}."""
+        T = hidden.shape[1]
+        return [head(hidden[:, : T - 1 - i]) for i, head in enumerate(self.heads) if T - 1 - i > 0]
+
+    @torch.no_grad()
+    def draft(
+        self,
+        feature: torch.Tensor,  # (H,)
+        root: torch.Tensor,  # () unused: Medusa's heads do not see the tokens before their own
+        tree: "TreeBuffers",
+        embed: nn.Module,
+        lm_weight: torch.Tensor,
+        lm_bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Draft the tree's tokens (num_nodes - 1,): the node of rank r at depth d is head d's r-th token."""
+        depth = len(tree.levels)
+        states = torch.stack([head(feature) for head in self.heads[:depth]])  # (D, H)
+        logits = self.draft_logits(states, lm_weight, lm_bias)
+        drafted = []
+        for d, level in enumerate(tree.levels):
+            top = logits[d].topk(level.k).indices
+            if self.draft_token_ids is not None:
+                top = self.draft_token_ids[top]
+            drafted.append(top[level.child_rank])
+        return torch.cat(drafted)
+
+    def draft_dynamic(self, *args, **kwargs):
+        raise ValueError("Medusa heads draft static trees only: pass clover_tree=[[0], [1], [0, 0], ...] (paths)")
+
+
+def build_heads(config: CloverConfig) -> DraftHeads:
+    """Fresh heads of the kind `config.head_type` names."""
+    return MedusaHeads(config) if config.head_type == "medusa" else CloverHeads(config)
 
 
 def _decoder_layers(base_model: nn.Module) -> nn.ModuleList | None:

@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .config import CONFIG_NAME, WEIGHTS_NAME, CloverConfig
-from .heads import CloverHeads
+from .heads import DraftHeads, build_heads
 
 HEADS_FILES = [CONFIG_NAME, WEIGHTS_NAME, "README.md"]
 
@@ -79,7 +79,7 @@ def resolve_heads(path_or_repo: str | Path, revision: str | None = None, token: 
     return Path(local)
 
 
-def save_heads(heads: CloverHeads, directory: str | Path, safe_serialization: bool = True) -> Path:
+def save_heads(heads: DraftHeads, directory: str | Path, safe_serialization: bool = True) -> Path:
     """Write config.json and model.safetensors (the heads' own weights only)."""
     if not safe_serialization:
         raise ValueError("Clover heads are saved as safetensors only (safe_serialization=True)")
@@ -92,7 +92,7 @@ def save_heads(heads: CloverHeads, directory: str | Path, safe_serialization: bo
     return directory
 
 
-def load_heads(directory: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> CloverHeads:
+def load_heads(directory: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> DraftHeads:
     """Build heads from config.json and fill them from model.safetensors, checking every key and shape."""
     directory = Path(directory)
     config = CloverConfig.load(directory)
@@ -106,7 +106,7 @@ def load_heads(directory: str | Path, device: torch.device | str = "cpu", dtype:
         state = load_file(str(weights))
     except (SafetensorError, OSError, ValueError) as err:
         raise ValueError(f"{weights} is not a readable safetensors file: {err}") from None
-    heads = CloverHeads(config)
+    heads = build_heads(config)
     expected = heads.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

@@ -19,7 +19,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from .card import write_model_card
 from .config import CloverConfig
 from .decoding import GenerationStats, clover_generate
-from .heads import CloverHeads
+from .heads import DraftHeads, build_heads
 from .hub import HEADS_FILES, is_heads_dir, load_heads, resolve_heads, save_heads
 
 # Architectures whose attention cannot take a tree mask, or whose state is not a KV cache.
@@ -85,7 +85,7 @@ def check_heads_match(config: CloverConfig, base_model: PreTrainedModel) -> None
 class CloverForCausalLM(nn.Module):
     """A base causal LM with Clover draft heads. Attribute access falls through to the base (as PEFT does)."""
 
-    def __init__(self, base_model: PreTrainedModel, heads: CloverHeads) -> None:
+    def __init__(self, base_model: PreTrainedModel, heads: DraftHeads) -> None:
         super().__init__()
         check_supported(base_model.config)
         check_heads_match(heads.config, base_model)
@@ -113,7 +113,7 @@ class CloverForCausalLM(nn.Module):
         name = getattr(base_model.config, "_name_or_path", None) or None
         config_kwargs.setdefault("base_model_name_or_path", name)
         config = CloverConfig.for_base(base_model.config, **config_kwargs)
-        heads = CloverHeads(config)
+        heads = build_heads(config)
         if init_from_base:
             heads.init_from_base(base_model)
         heads.to(device=base_model.device, dtype=base_model.dtype)

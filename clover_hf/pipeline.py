@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .data import Record, load_records, sharegpt_conversations
 from .features import FeatureSet, cache_features, first_prompt, read_distilled, self_distill, tokenize_record
-from .heads import CloverHeads
+from .heads import DraftHeads
 from .hub import load_heads, resolve_heads
 from .modeling import CloverForCausalLM, check_supported
 from .config import validate_tree
@@ -113,15 +113,15 @@ def prepare_features(data: DataConfig, out: Path, accelerator: Accelerator, log=
     return base, tokenizer, FeatureSet.load(feature_dir, *data.extra_features)
 
 
-def warm_start(heads: CloverHeads, source: str) -> None:
+def warm_start(heads: DraftHeads, source: str) -> None:
     """Copy trained weights into freshly built `heads`; the draft vocabulary is chosen anew from the data."""
     start = load_heads(resolve_heads(source))
     ours, theirs = heads.config, start.config
-    for name in ("hidden_size", "vocab_size", "num_heads", "num_augment_layers", "num_attention_heads",
+    for name in ("head_type", "hidden_size", "vocab_size", "num_heads", "num_augment_layers", "num_attention_heads",
                  "num_key_value_heads", "intermediate_size"):
         if getattr(ours, name) != getattr(theirs, name):
             raise ValueError(f"--init-heads {source} has {name}={getattr(theirs, name)} but this run builds "
-                             f"{name}={getattr(ours, name)}; pass matching --num-heads/--num-augment-layers or drop --init-heads")
+                             f"{name}={getattr(ours, name)}; pass matching --head-type/--num-heads/--num-augment-layers or drop --init-heads")
     state = {k: v for k, v in start.state_dict().items() if k != "draft_token_ids"}
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if unexpected or set(missing) - {"draft_token_ids"}:
@@ -138,7 +138,7 @@ def train_heads(data: DataConfig, train: TrainConfig, push_to_hub: str | None = 
     prep_seconds = time.time() - started
     torch.manual_seed(train.seed)
     clover = CloverForCausalLM.from_base(
-        base, num_heads=train.num_heads, num_augment_layers=train.num_augment_layers,
+        base, num_heads=train.num_heads, num_augment_layers=train.num_augment_layers, head_type=train.head_type,
         draft_vocab_size=train.draft_vocab_size if train.draft_vocab_size and train.draft_vocab_size < base.config.vocab_size else None,
         base_model_name_or_path=data.base_model, base_revision=data.base_revision,
     )

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
+from .config import HEAD_TYPES
 from .features import FeatureSet
-from .heads import CloverHeads
+from .heads import DraftHeads
 
 RANKS = 10  # evaluation records where the base's top-1 falls among each head's top-10 (shapes the tree)
 
@@ -30,6 +31,7 @@ class TrainConfig:
     output_dir: str = field(metadata={"help": "Where checkpoints, caches and the final heads go."})
     num_heads: int = field(default=4, metadata={"help": "Draft depth."})
     num_augment_layers: int = field(default=1, metadata={"help": "Decoder layers in the Augmenting Block."})
+    head_type: str = field(default="clover", metadata={"help": "clover, or medusa (the Medusa-1 baseline heads)."})
     draft_vocab_size: int | None = field(default=8192, metadata={"help": "Frequent tokens to draft from (None: all)."})
     max_steps: int = field(default=1000, metadata={"help": "Optimizer steps."})
     batch_size: int = field(default=8, metadata={"help": "Sequences per optimizer step, over all processes."})
@@ -55,6 +57,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.max_steps < 1 or self.batch_size < 1:
             raise ValueError("max_steps and batch_size must be >= 1")
+        if self.head_type not in HEAD_TYPES:
+            raise ValueError(f"head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
         self.betas = tuple(self.betas)
@@ -74,7 +78,7 @@ def choose_draft_vocab(counts: torch.Tensor, size: int | None) -> torch.Tensor |
 
 
 def head_losses(
-    heads: CloverHeads,
+    heads: DraftHeads,
     batch: dict[str, torch.Tensor],
     embed: torch.nn.Module,
     lm_weight: torch.Tensor,  # (V', H) rows of the draft vocabulary
@@ -124,7 +128,7 @@ def head_losses(
 class Trainer:
     """Trains `heads` on cached features; checkpoints so that an interrupted run resumes exactly."""
 
-    def __init__(self, config: TrainConfig, heads: CloverHeads, base, features: FeatureSet,
+    def __init__(self, config: TrainConfig, heads: DraftHeads, base, features: FeatureSet,
                  accelerator: Accelerator | None = None) -> None:
         self.config = config
         self.accelerator = accelerator or Accelerator(mixed_precision=config.mixed_precision)

@@ -1,6 +1,7 @@
 """Copy trained SmolLM2 heads into the package (bf16, named for the Hub base, with a model card).
 
     python examples/package_heads.py runs/smol-data/heads [--benchmark runs/bench/results.json]
+    python examples/package_heads.py runs/medusa/heads --lookup 5 --lookup-max 20   # the Medusa baseline
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def main() -> None:
     metrics["notes"] = metrics.get("notes", []) + args.note
     if args.benchmark:
         metrics["benchmark"] = json.loads(args.benchmark.read_text())
-    target = shipped_heads_path()
+    target = shipped_heads_path(heads.config.head_type)  # Clover heads, or the Medusa baseline beside them
     if target.exists():
         shutil.rmtree(target)
     save_heads(heads, target)

@@ -1,0 +1,153 @@
+"""The Medusa-1 baseline heads: exact like Clover's, drafted as Medusa drafts, saved, trained and benchmarked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from clover_hf import CloverConfig, CloverForCausalLM
+from clover_hf.bench import run_benchmark
+from clover_hf.cli import main as cli_main
+from clover_hf.heads import MedusaHeads
+from clover_hf.tree import build_tree
+
+from .test_training import _args, _chats
+from .tiny import ARCHS, CHAT_TEMPLATE, byte_tokenizer, left_padded, prompt, same, save_tiny_base, tiny_model
+
+
+def medusa_model(base, seed: int = 0, **config) -> CloverForCausalLM:
+    """Medusa heads with random weights (fresh ones are the identity and would all draft the same token)."""
+    model = CloverForCausalLM.from_base(base, head_type="medusa", **config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.clover_heads.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+@pytest.mark.parametrize("lookup", [0, 6])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_medusa_heads_match_base(arch, lookup):
+    base = tiny_model(arch)
+    medusa = medusa_model(base)
+    assert isinstance(medusa.clover_heads, MedusaHeads)
+    for seed in (1, 2):
+        ids = prompt(seed)
+        ref = base.generate(ids, max_new_tokens=40, do_sample=False)
+        out = medusa.generate(ids, max_new_tokens=40, do_sample=False, lookup=lookup)
+        assert same(out, ref)
+        assert medusa.generation_stats.new_tokens == 40 and medusa.generation_stats.steps >= 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt2"])
+def test_medusa_padded_batch_and_top_k_1_sampling_match_base(arch):
+    base = tiny_model(arch)
+    medusa = medusa_model(base, seed=3)
+    ids, mask, _ = left_padded(prompt(1, 7), prompt(2, 12))
+    ref = base.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    assert same(medusa.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0), ref)
+    single = prompt(4)
+    torch.manual_seed(0)
+    sampled = medusa.generate(single, max_new_tokens=30, do_sample=True, top_k=1)  # top-1 sampling is greedy
+    assert same(sampled, base.generate(single, max_new_tokens=30, do_sample=False))
+
+
+def test_medusa_draft_takes_each_depths_top_k_whatever_the_parent():
+    base = tiny_model("llama")
+    medusa = medusa_model(base, draft_vocab_size=40)
+    heads = medusa.clover_heads
+    with torch.no_grad():
+        heads.draft_token_ids.copy_(torch.arange(40) * 2)  # every other token: drafts map back to base ids
+    paths = [[0], [1], [0, 0], [0, 1], [1, 0], [1, 1], [0, 0, 0], [1, 1, 0]]
+    tree = build_tree(paths)
+    feature = torch.randn(base.config.hidden_size)
+    embed = base.get_input_embeddings()
+    weight, bias = heads.draft_lm_head(base.get_output_embeddings())
+    drafted = heads.draft(feature, torch.tensor(5), tree, embed, weight, bias)
+    by_path = dict(zip(tree.paths, drafted.tolist()))
+    ranked = [heads.draft_token_ids[heads.draft_logits(head(feature), weight, bias).topk(2).indices].tolist()
+              for head in heads.heads[:3]]  # each head's top-2, as base-vocabulary ids
+    for path, token in by_path.items():
+        assert token == ranked[len(path) - 1][path[-1]], path  # the rank-th token of head depth-1
+    assert by_path[(0, 0)] == by_path[(1, 0)] and by_path[(0, 0, 0)] == by_path[(1, 1, 0)]
+    # Medusa's heads never see the root: another root drafts the same tree
+    assert torch.equal(drafted, heads.draft(feature, torch.tensor(9), tree, embed, weight, bias))
+
+
+def test_medusa_heads_save_load_and_card(tmp_path):
+    base = tiny_model("qwen3")
+    medusa = medusa_model(base, tree=[[0], [1], [0, 0]])
+    medusa.save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["head_type"] == "medusa" and config["model_type"] == "clover"
+    card = (tmp_path / "m" / "README.md").read_text()
+    assert "# Medusa draft heads" in card and "residual block" in card and "Augmenting Block" not in card
+    loaded = CloverForCausalLM.from_pretrained(tmp_path / "m", base_model=base)
+    assert isinstance(loaded.clover_heads, MedusaHeads)
+    ids = prompt(5)
+    assert same(loaded.generate(ids, max_new_tokens=24, do_sample=False),
+                medusa.generate(ids, max_new_tokens=24, do_sample=False))
+
+
+def test_medusa_heads_refuse_dynamic_trees_and_unknown_types():
+    with pytest.raises(ValueError, match="static trees only"):
+        CloverConfig(hidden_size=64, vocab_size=100, head_type="medusa", dynamic_tree={"depth": 2, "width": 2, "nodes": 4})
+    with pytest.raises(ValueError, match="head_type must be one of"):
+        CloverConfig(hidden_size=64, vocab_size=100, head_type="eagle")
+    medusa = medusa_model(tiny_model("llama"))
+    with pytest.raises(ValueError, match="static trees only"):
+        medusa.generate(prompt(1), max_new_tokens=8, do_sample=False, tree={"depth": 2, "width": 2, "nodes": 4})
+
+
+def test_cli_trains_medusa_heads(tmp_path):
+    base_dir = save_tiny_base(tmp_path / "base")
+    data = _chats(tmp_path / "chats.jsonl")
+    out = tmp_path / "run"
+    assert cli_main(_args(base_dir, data, out, **{"head-type": "medusa", "tree-size": "5"})) == 0
+    medusa = CloverForCausalLM.from_pretrained(out / "heads")
+    assert isinstance(medusa.clover_heads, MedusaHeads) and len(medusa.clover_config.tree) == 5
+    assert any(h.linear.weight.abs().sum() > 0 for h in medusa.clover_heads.heads)  # trained away from the identity
+    ids = prompt(3)
+    assert same(medusa.generate(ids, max_new_tokens=20, do_sample=False),
+                medusa.base_model.generate(ids, max_new_tokens=20, do_sample=False))
+    # Clover heads cannot warm-start a Medusa run (or the other way round)
+    clover_run = tmp_path / "clover"
+    assert cli_main(_args(base_dir, data, clover_run)) == 0
+    with pytest.raises(ValueError, match="head_type=clover.*--head-type"):
+        cli_main(_args(base_dir, data, tmp_path / "again", **{"head-type": "medusa",
+                                                              "init-heads": str(clover_run / "heads")}))
+    with pytest.raises(ValueError, match="head_type must be one of"):
+        cli_main(_args(base_dir, data, tmp_path / "bad", **{"head-type": "hydra"}))
+
+
+def test_benchmark_runs_the_medusa_baseline(tmp_path):
+    base = tiny_model("llama")
+    tok = byte_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    clover = CloverForCausalLM.from_base(base)
+    results = run_benchmark(clover, tok, ["hello", "another prompt"], max_new_tokens=12,
+                            baselines={"medusa": medusa_model(base)}, log=lambda *_: None)
+    assert list(results) == ["plain generate", "clover", "medusa", "prompt lookup (10)"]
+    medusa = results["medusa"]
+    assert medusa.identical == 2 and medusa.new_tokens == 24
+    assert medusa.steps >= 2 and len(medusa.accepted_lengths) == medusa.verify_steps > 0
+    assert "verify forward" in medusa.stage_seconds
+
+
+def test_bench_command_takes_medusa_heads(tmp_path):
+    base_dir = save_tiny_base(tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
+    CloverForCausalLM.from_base(base).save_pretrained(tmp_path / "heads")
+    medusa_model(base).save_pretrained(tmp_path / "medusa")
+    (tmp_path / "p.txt").write_text("first prompt\nsecond prompt\n")
+    common = ["bench", "--heads", str(tmp_path / "heads"), "--base-model", base_dir, "--dtype", "float32",
+              "--prompts", str(tmp_path / "p.txt"), "--max-new-tokens", "8", "--no-prompt-lookup"]
+    cli_main([*common, "--medusa-heads", str(tmp_path / "medusa"), "--out-dir", str(tmp_path / "out")])
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert list(results) == ["plain generate", "clover", "medusa"] and results["medusa"]["identical"] == 2
+    assert "| medusa |" in (tmp_path / "out" / "results.md").read_text()
+    with pytest.raises(ValueError, match="not Medusa's"):
+        cli_main([*common, "--medusa-heads", str(tmp_path / "heads"), "--out-dir", str(tmp_path / "out2")])
