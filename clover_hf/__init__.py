@@ -2,7 +2,7 @@
 
 from .config import DEFAULT_TREE, CloverConfig
 from .decoding import GenerationStats, clover_generate
-from .heads import CloverHeads
+from .heads import CloverHeads, DraftHeads, MedusaHeads
 from .modeling import CloverForCausalLM
 from .tree import DynamicTree, build_tree
 
@@ -11,6 +11,8 @@ __all__ = [
     "CloverConfig",
     "CloverForCausalLM",
     "CloverHeads",
+    "DraftHeads",
+    "MedusaHeads",
     "GenerationStats",
     "build_tree",
     "DynamicTree",

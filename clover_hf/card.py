@@ -120,12 +120,14 @@ def _clover_words(config: CloverConfig) -> dict[str, str]:
 def _medusa_words(config: CloverConfig) -> dict[str, str]:
     return dict(
         heads_title="Medusa draft heads (the baseline for Clover)",
-        heads_style="[Medusa](https://arxiv.org/abs/2401.10774)-1, the baseline Clover is measured against,",
+        heads_style="[Medusa](https://arxiv.org/abs/2401.10774)-1 (the baseline Clover is measured against)",
         body_row="| each head | one residual block, x + SiLU(Wx + b) |",
         architecture_text=(
             "Head *i* maps the base model's last hidden state through its own residual block to the token *i*+2\n"
             "positions ahead, without seeing the tokens drafted before it, so every node of a depth draws from the\n"
-            "same top-k. The heads share the base model's frozen lm_head (restricted to the draft vocabulary)."
+            "same top-k. The heads share the base model's frozen lm_head (restricted to the draft vocabulary) and\n"
+            "were trained with clover-hf's recipe (soft labels plus a feature regression), not Medusa's\n"
+            "cross-entropy alone."
         ),
     )
 

@@ -103,7 +103,6 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
     from transformers import AutoTokenizer
 
     from . import bench, embedded
-    from .hub import load_heads, resolve_heads
     from .modeling import CloverForCausalLM
 
     if threads:
@@ -116,19 +115,17 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
     model = CloverForCausalLM.from_pretrained(heads, base_model=base_model, dtype=torch_dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(base_model or model.clover_config.base_model_name_or_path)
     texts = bench.read_prompts(prompts, limit)
-    baselines = {}
+    baselines: dict[str, CloverForCausalLM] = {}
     if not no_medusa and (medusa_heads or shipped):
-        path = resolve_heads(medusa_heads) if medusa_heads else embedded.shipped_heads_path("medusa")
-        medusa = load_heads(path, device=model.device, dtype=torch_dtype)
-        if medusa.config.head_type != "medusa":
-            raise ValueError(f"--medusa-heads {medusa_heads} holds {medusa.config.head_type} heads, not Medusa's")
-        baselines["medusa"] = CloverForCausalLM(model.base_model, medusa)
+        medusa = _medusa_baseline(model, medusa_heads)
+        if medusa is not None:
+            baselines["medusa"] = medusa
     runs = {f"clover ({name})": kwargs for name, kwargs in json.loads(variants).items()} if variants else None
     results = bench.run_benchmark(model, tokenizer, texts, max_new_tokens, do_sample, not no_prompt_lookup,
                                   clover_runs=runs, temperature=temperature, batch_size=batch_size,
                                   baselines=baselines)
     lookups = [model.clover_config.lookup_tokens, *(kw.get("lookup") or 0 for kw in (runs or {}).values())]
-    lookups += [other.clover_config.lookup_tokens for other in baselines.values()]
+    lookups += [n for other in baselines.values() for n in (other.clover_config.num_heads, other.clover_config.lookup_tokens)]
     depth = max(model.clover_config.num_heads, *lookups)
     breakdown = "\n\n".join(filter(None, (bench.step_breakdown(r) for r in results.values())))
     table = bench.markdown_table(results, depth, sampled=do_sample)
@@ -146,6 +143,23 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
     png = bench.plot(results, out / "plot.png")
     print(summary)
     print(f"written: {out / 'results.md'}" + (f", {png}" if png else " (pip install matplotlib for the plot)"))
+
+
+def _medusa_baseline(model, medusa_heads: str | None):
+    """The Medusa heads to compare with, on the benchmarked model's base: `medusa_heads`, else the shipped
+    ones (None, with a note, if this install has none)."""
+    from . import embedded
+    from .hub import load_heads, resolve_heads
+    from .modeling import CloverForCausalLM
+
+    path = resolve_heads(medusa_heads) if medusa_heads else embedded.shipped_heads_path("medusa")
+    if medusa_heads is None and not (path / "config.json").is_file():
+        print(f"no Medusa baseline heads at {path}: benchmarking without them")
+        return None
+    medusa = load_heads(path, device=model.device, dtype=model.dtype)
+    if medusa.config.head_type != "medusa":
+        raise ValueError(f"--medusa-heads {medusa_heads} holds {medusa.config.head_type} heads, not Medusa's")
+    return CloverForCausalLM(model.base_model, medusa)
 
 
 def sampling_words(do_sample: bool, temperature: float | None) -> str:

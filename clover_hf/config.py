@@ -136,7 +136,10 @@ class CloverConfig:
         return self.hidden_size // self.num_attention_heads
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if data["head_type"] == "clover":  # left out, so Clover heads stay readable by clover-hf before head_type
+            del data["head_type"]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "CloverConfig":

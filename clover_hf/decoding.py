@@ -196,7 +196,7 @@ def clover_generate(
     `clover_profile=True` records wall time per stage in `stats.stage_seconds`.
     """
     if clover_heads is None:
-        raise ValueError("clover_generate needs clover_heads=CloverHeads(...)")
+        raise ValueError("clover_generate needs clover_heads=CloverHeads(...) (or other DraftHeads)")
     heads, device, caller_device = clover_heads, model.device, input_ids.device
     input_ids = input_ids.to(device)  # transformers lets inputs stay on another device; Clover works on the model's
     batch, prompt_len = input_ids.shape
@@ -206,6 +206,9 @@ def clover_generate(
     if batch > 1 and (want_scores or streamer is not None):
         raise ValueError("Clover returns scores and streams for batch size 1 only; pass one sequence at a time")
     spec = _tree_spec(clover_tree, heads.config)
+    if isinstance(spec, DynamicTree) and not heads.dynamic_trees:
+        raise ValueError(f"{heads.config.head_type} heads draft static trees only: pass tree=[[0], [1], [0, 0], ...] "
+                         "(paths in Medusa's format) instead of a dynamic tree")
     lookup = heads.config.lookup_tokens if clover_lookup is None else clover_lookup
     lookup_max = max(lookup, heads.config.lookup_max_tokens if clover_lookup_max is None else clover_lookup_max)
     # static trees are compiled once per lookup chain length

@@ -145,8 +145,10 @@ class DraftHeads(nn.Module):
 
     Subclasses provide `features` (per accepted position, with an optional cache), `forward` (the
     teacher-forced training pass) and `draft` (a static tree's tokens), so training and the decoding
-    loop serve them all.
+    loop serve them all; those with `dynamic_trees` also draft EAGLE-2-style trees (`draft_dynamic`).
     """
+
+    dynamic_trees = False
 
     def __init__(self, config: CloverConfig) -> None:
         super().__init__()
@@ -176,6 +178,8 @@ class DraftHeads(nn.Module):
 
 class CloverHeads(DraftHeads):
     """All of Clover's trainable parts. Head i drafts the token i+2 positions after the state's token."""
+
+    dynamic_trees = True
 
     def __init__(self, config: CloverConfig) -> None:
         super().__init__(config)
@@ -327,7 +331,8 @@ class CloverHeads(DraftHeads):
 
 
 class ResBlock(nn.Module):
-    """Medusa's residual block x + SiLU(Wx + b); zero weights make it the identity at the start."""
+    """Medusa's residual block x + SiLU(Wx + b). As in Medusa, W starts at zero and b at PyTorch's
+    default, so a fresh block is close to the identity."""
 
     def __init__(self, hidden_size: int) -> None:
         super().__init__()
@@ -344,7 +349,8 @@ class MedusaHeads(DraftHeads):
     Head i maps the base's last hidden state at t through one residual block to the token at t+2+i,
     independently of the tokens drafted before it: every node of a depth draws from the same top-k.
     As built here they share the base's lm_head and Clover's draft vocabulary, and train with the
-    same recipe and data, so a comparison isolates the heads' architecture.
+    same recipe and data (soft labels plus feature regression, not Medusa's cross-entropy alone), so
+    a comparison isolates the heads' architecture.
     """
 
     def __init__(self, config: CloverConfig) -> None:
@@ -388,9 +394,6 @@ class MedusaHeads(DraftHeads):
                 top = self.draft_token_ids[top]
             drafted.append(top[level.child_rank])
         return torch.cat(drafted)
-
-    def draft_dynamic(self, *args, **kwargs):
-        raise ValueError("Medusa heads draft static trees only: pass clover_tree=[[0], [1], [0, 0], ...] (paths)")
 
 
 def build_heads(config: CloverConfig) -> DraftHeads:

@@ -117,8 +117,10 @@ def warm_start(heads: DraftHeads, source: str) -> None:
     """Copy trained weights into freshly built `heads`; the draft vocabulary is chosen anew from the data."""
     start = load_heads(resolve_heads(source))
     ours, theirs = heads.config, start.config
-    for name in ("head_type", "hidden_size", "vocab_size", "num_heads", "num_augment_layers", "num_attention_heads",
-                 "num_key_value_heads", "intermediate_size"):
+    sizes = ["head_type", "hidden_size", "vocab_size", "num_heads"]
+    if ours.head_type == "clover":
+        sizes += ["num_augment_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size"]
+    for name in sizes:
         if getattr(ours, name) != getattr(theirs, name):
             raise ValueError(f"--init-heads {source} has {name}={getattr(theirs, name)} but this run builds "
                              f"{name}={getattr(ours, name)}; pass matching --head-type/--num-heads/--num-augment-layers or drop --init-heads")

@@ -1,8 +1,9 @@
-"""Training Clover heads on a frozen base: one Accelerate loop on CPU, one GPU, or many processes.
+"""Training draft heads (Clover's, or the Medusa baseline's) on a frozen base: one Accelerate loop on
+CPU, one GPU, or many processes.
 
 Per head i the loss is cross-entropy against the base's own top-k next-token distribution at the
 target position (soft labels, restricted to the draft vocabulary) plus a SmoothL1 pull of the head's
-normed features toward the base's hidden state there, weighted head_decay ** i (Clover-2 recipe).
+output features toward the base's hidden state there, weighted head_decay ** i (Clover-2 recipe).
 """
 
 from __future__ import annotations
