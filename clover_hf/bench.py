@@ -103,8 +103,8 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
 
     `clover_runs` names Clover variants and their extra `generate` arguments (default: one run with
     the heads' own settings). `baselines` names other heads on the same base, as `CloverForCausalLM`s
-    (the Medusa baseline), each run with its own settings. `profile` times Clover's stages (it syncs the device at each stage, so
-    it is free only on CPU). With `batch_size` > 1 prompts run in left-padded batches; transformers'
+    (the Medusa baseline), each run with its own settings. `profile` times Clover's stages (it syncs
+    the device at each stage, so it is free only on CPU). With `batch_size` > 1 prompts run in left-padded batches; transformers'
     prompt lookup decodes one sequence at a time, so it is left out; tokens/step counts the tokens
     of all rows per forward.
     """

@@ -81,3 +81,25 @@ def test_shipped_heads_exact_on_a_padded_batch(converted):
     stats = model.generation_stats
     # measured (stage-5 heads): 144 tokens in 35 forwards, 4.1 per forward across the three rows (1.64 per row)
     assert stats.new_tokens / stats.steps > 3.0, (stats.new_tokens, stats.steps)
+
+
+def test_shipped_medusa_baseline_is_exact_and_drafts_worse_than_clover(converted):
+    """The Medusa baseline shipped beside Clover's heads: exact in float32, and with the heads alone
+    (no lookup chain, each with its own 10-node tree) it takes more base forwards than Clover."""
+    medusa = CloverForCausalLM.from_pretrained(shipped_heads_path("medusa"), base_model=str(converted),
+                                               dtype=torch.float32)
+    assert medusa.clover_config.head_type == "medusa" and medusa.clover_config.lookup_tokens == 0
+    clover = CloverForCausalLM(medusa.base_model, CloverForCausalLM.from_pretrained(
+        shipped_heads_path(), base_model=medusa.base_model).clover_heads)
+    tok = AutoTokenizer.from_pretrained(converted)
+    rates = []
+    for model in (clover, medusa):
+        steps = tokens = 0
+        for question in mtbench_questions()[:3]:
+            ids = _chat(tok, question)
+            out = model.generate(ids, max_new_tokens=48, do_sample=False, lookup=0)
+            assert torch.equal(out, model.base_model.generate(ids, max_new_tokens=48, do_sample=False))
+            steps, tokens = steps + model.generation_stats.steps, tokens + model.generation_stats.new_tokens
+        rates.append(tokens / steps)
+    # measured: Clover 1.58 tokens per forward (144 in 91), Medusa 1.44 (144 in 100)
+    assert rates[1] > 1.25 and rates[0] > rates[1] + 0.05, rates
