@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# How the heads shipped in clover_hf/pretrained/smollm2-135m-instruct were trained (2-core CPU, in stages
-# that each fit a session; every stage resumes after an interruption when rerun).
+# How the heads shipped in clover_hf/pretrained/smollm2-135m-instruct (and the Medusa baseline at the
+# end) were trained (2-core CPU, in stages that each fit a session; every stage resumes after an
+# interruption when rerun).
 #   1. ShareGPT first-turn prompts answered by SmolLM2 itself (greedy), shortest prompts first, for a
 #      fixed time budget; fresh heads.
 #   2. Warm start from 1: ShareGPT's own conversations (records 0-1199, cut to 512 tokens) with the
@@ -45,3 +46,13 @@ clover-hf train "${COMMON[@]}" --data sharegpt --skip-records 4800 --max-records
 # the chain doubles up to 20 tokens while the text copies earlier text
 python examples/package_heads.py runs/smol-mix5/heads \
     --tree '[[0],[1],[2],[3],[4],[0,0],[0,1],[1,0],[2,0],[0,0,0]]' --lookup 5 --lookup-max 20
+
+# The Medusa-1 baseline beside them (clover_hf/pretrained/smollm2-135m-instruct-medusa): fresh heads on
+# stage 6's data, whose features the run finds cached when its feature directory is stage 6's
+# (e.g. `ln -s ../smol-mix5/features-* runs/medusa/`); its own 10-node tree from its measured acceptance,
+# no lookup chain (Medusa as published).
+clover-hf train "${COMMON[@]}" --data sharegpt --skip-records 4800 --max-records 1200 --max-length 512 \
+    --extra-features runs/smol-mix4/features-*/ runs/smol-mix3/features-*/ runs/smol-mix2/features-*/ \
+    runs/smol-mix/features-*/ runs/smol-data/features-*/ --head-type medusa --tree-size 10 \
+    --max-steps 1200 --warmup-steps 50 --lr 1e-3 --eval-every 400 --output-dir runs/medusa
+python examples/package_heads.py runs/medusa/heads
