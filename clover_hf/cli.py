@@ -124,9 +124,11 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
     results = bench.run_benchmark(model, tokenizer, texts, max_new_tokens, do_sample, not no_prompt_lookup,
                                   clover_runs=runs, temperature=temperature, batch_size=batch_size,
                                   baselines=baselines)
-    lookups = [model.clover_config.lookup_tokens, *(kw.get("lookup") or 0 for kw in (runs or {}).values())]
-    lookups += [n for other in baselines.values() for n in (other.clover_config.num_heads, other.clover_config.lookup_tokens)]
-    depth = max(model.clover_config.num_heads, *lookups)
+    # the table's "accept dN" columns reach as deep as any method drafts: its heads or its lookup chain
+    reach = [model.clover_config.num_heads, model.clover_config.lookup_tokens,
+             *(kw.get("lookup") or 0 for kw in (runs or {}).values())]
+    reach += [n for other in baselines.values() for n in (other.clover_config.num_heads, other.clover_config.lookup_tokens)]
+    depth = max(reach)
     breakdown = "\n\n".join(filter(None, (bench.step_breakdown(r) for r in results.values())))
     table = bench.markdown_table(results, depth, sampled=do_sample)
     out = Path(out_dir)
