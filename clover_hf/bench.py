@@ -104,9 +104,9 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
     `clover_runs` names Clover variants and their extra `generate` arguments (default: one run with
     the heads' own settings). `baselines` names other heads on the same base, as `CloverForCausalLM`s
     (the Medusa baseline), each run with its own settings. `profile` times Clover's stages (it syncs
-    the device at each stage, so it is free only on CPU). With `batch_size` > 1 prompts run in left-padded batches; transformers'
-    prompt lookup decodes one sequence at a time, so it is left out; tokens/step counts the tokens
-    of all rows per forward.
+    the device at each stage, so it is free only on CPU). With `batch_size` > 1 prompts run in
+    left-padded batches; transformers' prompt lookup decodes one sequence at a time, so it is left
+    out; tokens/step counts the tokens of all rows per forward.
     """
     base = model.base_model
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample)

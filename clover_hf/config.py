@@ -11,6 +11,12 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 HEAD_TYPES = ("clover", "medusa")
 
+
+def check_head_type(head_type: str) -> None:
+    """Raise ValueError unless `head_type` names a kind of draft heads this library builds."""
+    if head_type not in HEAD_TYPES:
+        raise ValueError(f"head_type must be one of {HEAD_TYPES}, got {head_type!r}")
+
 # A 25-node tree (plus the root) in the Medusa path format: each path lists the top-k rank chosen at
 # every depth. Shaped like Medusa's sparse trees: wide near the root where heads are accurate,
 # thin at depth. Depth 4 matches the default `num_heads`.
@@ -117,8 +123,7 @@ class CloverConfig:
             if spec.depth > self.num_heads:
                 raise ValueError(f"dynamic_tree depth {spec.depth} exceeds the {self.num_heads} heads that draft it")
             self.dynamic_tree = {"depth": spec.depth, "width": spec.width, "nodes": spec.nodes}
-        if self.head_type not in HEAD_TYPES:
-            raise ValueError(f"head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
+        check_head_type(self.head_type)
         if self.head_type == "medusa" and self.dynamic_tree is not None:
             raise ValueError("Medusa heads draft static trees only: drop dynamic_tree and give `tree` (paths)")
         if self.lookup_tokens < 0:

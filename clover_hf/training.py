@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from .config import HEAD_TYPES
+from .config import check_head_type
 from .features import FeatureSet
 from .heads import DraftHeads
 
@@ -58,8 +58,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.max_steps < 1 or self.batch_size < 1:
             raise ValueError("max_steps and batch_size must be >= 1")
-        if self.head_type not in HEAD_TYPES:
-            raise ValueError(f"head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
+        check_head_type(self.head_type)  # here too, so a bad value fails before features are cached
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
         self.betas = tuple(self.betas)

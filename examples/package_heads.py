@@ -1,7 +1,7 @@
 """Copy trained SmolLM2 heads into the package (bf16, named for the Hub base, with a model card).
 
     python examples/package_heads.py runs/smol-data/heads [--benchmark runs/bench/results.json]
-    python examples/package_heads.py runs/medusa/heads --lookup 5 --lookup-max 20   # the Medusa baseline
+    python examples/package_heads.py runs/medusa/heads   # the Medusa baseline (its own tree, no lookup chain)
 """
 
 from __future__ import annotations
