@@ -60,9 +60,14 @@ def read_prompts(source: str | None, limit: int | None) -> list[str]:
     return prompts[:limit] if limit else prompts
 
 
-def _timed(fn) -> tuple[torch.Tensor, float]:
+def _timed(fn, device: torch.device) -> tuple[torch.Tensor, float]:
+    """Wall time of `fn()`; on an accelerator the queued work is waited for at both ends."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
     start = time.perf_counter()
     out = fn()
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
     return out, time.perf_counter() - start
 
 
@@ -91,7 +96,7 @@ def encode_batches(tokenizer, prompts: list[str], batch_size: int, device) -> li
 
 
 def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 128, do_sample: bool = False,
-                  prompt_lookup: bool = True, warmup: int = 1, profile: bool = True,
+                  prompt_lookup: bool = True, warmup: int = 1, profile: bool | None = None,
                   clover_runs: dict[str, dict] | None = None, temperature: float | None = None,
                   batch_size: int = 1, baselines: dict[str, object] | None = None, log=print
                   ) -> dict[str, MethodResult]:
@@ -103,12 +108,13 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
 
     `clover_runs` names Clover variants and their extra `generate` arguments (default: one run with
     the heads' own settings). `baselines` names other heads on the same base, as `CloverForCausalLM`s
-    (the Medusa baseline), each run with its own settings. `profile` times Clover's stages (it syncs
-    the device at each stage, so it is free only on CPU). With `batch_size` > 1 prompts run in
+    (the Medusa baseline), each run with its own settings. `profile` times Clover's stages; it syncs
+    the device at each stage, which is free only on CPU, so by default it is on there alone. With `batch_size` > 1 prompts run in
     left-padded batches; transformers' prompt lookup decodes one sequence at a time, so it is left
     out; tokens/step counts the tokens of all rows per forward.
     """
     base = model.base_model
+    profile = base.device.type == "cpu" if profile is None else profile
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample)
     if do_sample and temperature is not None:
         kwargs["temperature"] = temperature
@@ -133,7 +139,7 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
         reference = None
         for name, fn in methods.items():
             torch.manual_seed(k)
-            out, seconds = _timed(lambda: fn(inputs))
+            out, seconds = _timed(lambda: fn(inputs), base.device)
             r = results[name]
             r.seconds += seconds
             r.new_tokens += sum(_generated_lengths(out, prompt_len, eos))
@@ -158,6 +164,14 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
 
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def peak_memory(device: torch.device) -> str:
+    """The process's peak RSS, and on CUDA the peak memory torch allocated on the device."""
+    text = f"process peak RSS {peak_rss_mib():.0f} MiB"
+    if device.type == "cuda":
+        text += f", peak CUDA memory allocated {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB"
+    return text
 
 
 def markdown_table(results: dict[str, MethodResult], max_depth: int, sampled: bool = False) -> str:
@@ -214,6 +228,9 @@ def plot(results: dict[str, MethodResult], path: str | Path) -> Path | None:
     return Path(path)
 
 
-def machine_description() -> str:
-    cores = torch.get_num_threads()
-    return f"{platform.processor() or platform.machine()}, {cores} threads, torch {torch.__version__}, {platform.platform()}"
+def machine_description(device: torch.device | str = "cpu") -> str:
+    device = torch.device(device)
+    cpu = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    if device.type == "cuda":
+        cpu = f"{torch.cuda.get_device_name(device)} (CPU: {cpu})"
+    return f"{cpu}, torch {torch.__version__}, {platform.platform()}"

@@ -75,6 +75,8 @@ def make_parser() -> argparse.ArgumentParser:
                             '\'{"static": {"lookup": 0}, "dynamic": {"tree": {"depth": 4, "width": 4, "nodes": 16}}}\' '
                             "(default: one run with the heads' own settings)")
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    bench.add_argument("--device", default=None,
+                       help="cpu, cuda, cuda:1, ... (default: the machine's accelerator if it has one, else cpu)")
     bench.add_argument("--out-dir", default="runs/bench", help="where results.md, results.json and plot.png go")
     return parser
 
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_sample, temperature,
-                  no_prompt_lookup, medusa_heads, no_medusa, batch_size, variants, threads, out_dir) -> None:
+                  no_prompt_lookup, medusa_heads, no_medusa, batch_size, variants, threads, device, out_dir) -> None:
     import json
     from pathlib import Path
 
@@ -107,12 +109,13 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
 
     if threads:
         torch.set_num_threads(threads)
+    device = torch.device(device) if device else torch.accelerator.current_accelerator() or torch.device("cpu")
     torch_dtype = getattr(torch, dtype)
     shipped = heads is None
     heads = heads or str(embedded.shipped_heads_path())
     if base_model is None and heads == str(embedded.shipped_heads_path()):
         base_model = str(embedded.base_model_path(torch_dtype))
-    model = CloverForCausalLM.from_pretrained(heads, base_model=base_model, dtype=torch_dtype).eval()
+    model = CloverForCausalLM.from_pretrained(heads, base_model=base_model, dtype=torch_dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(base_model or model.clover_config.base_model_name_or_path)
     texts = bench.read_prompts(prompts, limit)
     baselines: dict[str, CloverForCausalLM] = {}
@@ -136,9 +139,9 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
     base_mib = sum(p.numel() * p.element_size() for p in model.base_model.parameters()) / 2**20
     heads_mib = sum(t.numel() * t.element_size() for t in model.clover_heads.state_dict().values()) / 2**20
     summary = (f"{len(texts)} prompts ({prompts}), {max_new_tokens} new tokens, {dtype}, "
-               f"{sampling_words(do_sample, temperature)}, batch {batch_size}; machine: {bench.machine_description()}\n\n"
+               f"{sampling_words(do_sample, temperature)}, batch {batch_size}; machine: {bench.machine_description(device)}\n\n"
                f"{table}\n\nweights: base {base_mib:.0f} MiB, heads {heads_mib:.1f} MiB "
-               f"({100 * heads_mib / base_mib:.1f}%); process peak RSS {bench.peak_rss_mib():.0f} MiB\n\n"
+               f"({100 * heads_mib / base_mib:.1f}%); {bench.peak_memory(device)}\n\n"
                f"{breakdown}")
     (out / "results.md").write_text(summary + "\n")
     (out / "results.json").write_text(json.dumps({n: vars(r) for n, r in results.items()}, indent=1))
