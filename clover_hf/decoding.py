@@ -7,10 +7,13 @@ cache -> feed the accepted tokens to the heads.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -165,6 +168,35 @@ def _no_deeper(tokens: torch.Tensor, tree: TreeBuffers | StepTree, depth: int
     return tokens[:n], StepTree.from_parents(tree.parents[:n], tree.depths[:n], depth)
 
 
+def tree_attention_backends(device: torch.device) -> contextlib.AbstractContextManager:
+    """The SDPA backends Clover's forwards run under on `device`: on CUDA, those enabled minus cuDNN attention.
+
+    PyTorch 2.10+ prefers cuDNN attention on Hopper and Blackwell GPUs. cuDNN builds a plan for each
+    new input shape, and tree forwards change shape every step, so it would plan at every step. The
+    other backends serve masked attention without per-shape plans. Elsewhere, or when cuDNN is the
+    only backend enabled, nothing changes.
+    """
+    if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+        return contextlib.nullcontext()
+    others = [backend for backend, enabled in ((SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled()),
+                                               (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled()),
+                                               (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled())) if enabled]
+    return sdpa_kernel(others) if others else contextlib.nullcontext()
+
+
+def _with_tree_attention(generate):
+    """Run `generate(model, ...)` under `tree_attention_backends(model.device)`."""
+
+    @functools.wraps(generate)  # keeps the signature, which transformers reads for custom arguments
+    def run(*args, **kwargs):
+        model = kwargs["model"] if "model" in kwargs else args[0]
+        with tree_attention_backends(model.device):
+            return generate(*args, **kwargs)
+
+    return run
+
+
+@_with_tree_attention
 def clover_generate(
     model: PreTrainedModel,
     input_ids: torch.LongTensor,

@@ -93,3 +93,22 @@ def test_cuda_shipped_heads_exact(converted):
         assert torch.equal(out, expected)
         steps, tokens = steps + model.generation_stats.steps, tokens + model.generation_stats.new_tokens
     assert tokens / steps > 1.5  # the trained heads draft on the GPU as they do on the CPU
+
+
+def test_cuda_tree_forwards_run_without_cudnn_attention():
+    """Clover's forwards run with cuDNN attention disabled (it plans per shape); plain `generate` is left alone."""
+    base = tiny_model("llama").to(CUDA)
+    clover = CloverForCausalLM.from_base(base)
+    seen = []
+    hook = base.register_forward_pre_hook(lambda module, args: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    try:
+        ids = prompt(6).to(CUDA)
+        before = torch.backends.cuda.cudnn_sdp_enabled()
+        clover.generate(ids, max_new_tokens=20, do_sample=False)
+        assert seen and not any(seen)
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+        seen.clear()
+        base.generate(ids, max_new_tokens=5, do_sample=False)
+        assert seen == [before] * len(seen)
+    finally:
+        hook.remove()

@@ -244,6 +244,32 @@ def test_fp64_and_bf16_run():
     assert out.shape == (1, ids.shape[1] + 20)
 
 
+def _backends() -> tuple[bool, bool, bool, bool]:
+    cuda = torch.backends.cuda
+    return cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled()
+
+
+def test_tree_attention_leaves_out_cudnn_on_cuda_only():
+    """cuDNN attention plans per input shape, and tree forwards change shape every step: Clover's forwards
+    on CUDA run with the other enabled backends. The flags are global, so this runs without a GPU."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from clover_hf.decoding import tree_attention_backends
+
+    before = _backends()
+    with tree_attention_backends(torch.device("cpu")):
+        assert _backends() == before
+    with tree_attention_backends(torch.device("cuda")):
+        assert _backends() == (False, *before[1:])
+    assert _backends() == before
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]):  # the caller's own choice is narrowed, not widened
+        with tree_attention_backends(torch.device("cuda")):
+            assert _backends() == (False, False, False, True)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):  # cuDNN alone: left as the caller set it
+        with tree_attention_backends(torch.device("cuda")):
+            assert _backends() == (True, False, False, False)
+
+
 def test_profile_records_stage_times():
     base = tiny_model("llama")
     ids = prompt(15)
