@@ -12,6 +12,7 @@ import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -60,7 +61,7 @@ def read_prompts(source: str | None, limit: int | None) -> list[str]:
     return prompts[:limit] if limit else prompts
 
 
-def _timed(fn, device: torch.device) -> tuple[torch.Tensor, float]:
+def _timed(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, float]:
     """Wall time of `fn()`; on an accelerator the queued work is waited for at both ends."""
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
@@ -109,9 +110,9 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
     `clover_runs` names Clover variants and their extra `generate` arguments (default: one run with
     the heads' own settings). `baselines` names other heads on the same base, as `CloverForCausalLM`s
     (the Medusa baseline), each run with its own settings. `profile` times Clover's stages; it syncs
-    the device at each stage, which is free only on CPU, so by default it is on there alone. With `batch_size` > 1 prompts run in
-    left-padded batches; transformers' prompt lookup decodes one sequence at a time, so it is left
-    out; tokens/step counts the tokens of all rows per forward.
+    the device at each stage, which is free only on CPU, so by default it is on there alone. With
+    `batch_size` > 1 prompts run in left-padded batches; transformers' prompt lookup decodes one
+    sequence at a time, so it is left out; tokens/step counts the tokens of all rows per forward.
     """
     base = model.base_model
     profile = base.device.type == "cpu" if profile is None else profile

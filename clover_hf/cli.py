@@ -109,7 +109,9 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
 
     if threads:
         torch.set_num_threads(threads)
-    device = torch.device(device) if device else torch.accelerator.current_accelerator() or torch.device("cpu")
+    if not device:  # a CUDA build of torch on a machine without a GPU still names CUDA as its accelerator
+        device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else "cpu"
+    device = torch.device(device)
     torch_dtype = getattr(torch, dtype)
     shipped = heads is None
     heads = heads or str(embedded.shipped_heads_path())

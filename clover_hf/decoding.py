@@ -10,10 +10,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -168,20 +168,25 @@ def _no_deeper(tokens: torch.Tensor, tree: TreeBuffers | StepTree, depth: int
     return tokens[:n], StepTree.from_parents(tree.parents[:n], tree.depths[:n], depth)
 
 
-def tree_attention_backends(device: torch.device) -> contextlib.AbstractContextManager:
-    """The SDPA backends Clover's forwards run under on `device`: on CUDA, those enabled minus cuDNN attention.
+@contextlib.contextmanager
+def tree_attention_backends(device: torch.device) -> Iterator[None]:
+    """On CUDA, turn cuDNN attention off for the duration, where memory-efficient or math attention can serve.
 
-    PyTorch 2.10+ prefers cuDNN attention on Hopper and Blackwell GPUs. cuDNN builds a plan for each
-    new input shape, and tree forwards change shape every step, so it would plan at every step. The
-    other backends serve masked attention without per-shape plans. Elsewhere, or when cuDNN is the
-    only backend enabled, nothing changes.
+    PyTorch 2.10+ with a bundled cuDNN newer than 9.15 prefers cuDNN attention on Hopper and Blackwell
+    GPUs. cuDNN builds a plan for each new input shape, and tree forwards change shape every step.
+    Memory-efficient and math attention take the tree's explicit mask with no per-shape plan (flash
+    attention takes no explicit mask). Elsewhere, or when neither is enabled, nothing changes. The
+    flags are process-wide: other threads' forwards lose cuDNN attention during the call as well.
     """
-    if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
-        return contextlib.nullcontext()
-    others = [backend for backend, enabled in ((SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled()),
-                                               (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled()),
-                                               (SDPBackend.MATH, torch.backends.cuda.math_sdp_enabled())) if enabled]
-    return sdpa_kernel(others) if others else contextlib.nullcontext()
+    cuda = torch.backends.cuda
+    if device.type != "cuda" or not cuda.cudnn_sdp_enabled() or not (cuda.mem_efficient_sdp_enabled() or cuda.math_sdp_enabled()):
+        yield
+        return
+    cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        cuda.enable_cudnn_sdp(True)
 
 
 def _with_tree_attention(generate):

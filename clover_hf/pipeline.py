@@ -48,7 +48,7 @@ class DataConfig:
 
 def make_accelerator(mixed_precision: str = "no") -> Accelerator:
     """An Accelerator that also runs DDP over CPU processes (gloo) when the machine has no accelerator."""
-    return Accelerator(mixed_precision=mixed_precision, cpu=torch.accelerator.current_accelerator() is None)
+    return Accelerator(mixed_precision=mixed_precision, cpu=not torch.accelerator.is_available())
 
 
 def load_base(config: DataConfig, device: torch.device):

@@ -10,7 +10,7 @@
 #   4. Warm start from 3: ShareGPT records 2400-3599 the same way, plus the features of stages 1-3.
 #   5. Warm start from 4: ShareGPT records 3600-4799 the same way, plus the features of stages 1-4.
 #   6. Warm start from 5: ShareGPT records 4800-5999 the same way, plus the features of stages 1-5.
-# Stage 7 (STAGE7=1, on a GPU) was tried and not shipped: about 1% more tokens per forward (BENCHMARKS.md).
+# A seventh stage, on a GPU, was tried and not shipped (examples/train_smollm2_stage7.sh, BENCHMARKS.md).
 # MT-Bench is never used for training (it is the benchmark).
 set -euo pipefail
 BASE=$(python -c "import torch; from clover_hf.embedded import base_model_path; print(base_model_path(torch.bfloat16))")
@@ -47,24 +47,6 @@ clover-hf train "${COMMON[@]}" --data sharegpt --skip-records 4800 --max-records
 # the chain doubles up to 20 tokens while the text copies earlier text
 python examples/package_heads.py runs/smol-mix5/heads \
     --tree '[[0],[1],[2],[3],[4],[0,0],[0,1],[1,0],[2,0],[0,0,0]]' --lookup 5 --lookup-max 20
-
-# Stage 7, tried on one H100 (10 minutes) and not shipped: warm start from 6 on prompts of up to 1,500 characters
-# from ShareGPT records 6000 onwards, answered by the base for 3.5 minutes (6,144 answers), these alone.
-if [ "${STAGE7:-0}" = 1 ]; then
-python - <<'PY'
-import json
-from clover_hf.data import sharegpt_conversations
-from clover_hf.features import first_prompt
-with open("runs/prompts-6000.jsonl", "w") as f:
-    for c in sharegpt_conversations()[6000:]:
-        if len((p := first_prompt(c))[-1]["content"]) <= 1500:
-            f.write(json.dumps({"messages": p}) + "\n")
-PY
-clover-hf train --base-model "$BASE" --data runs/prompts-6000.jsonl --self-distill --distill-batch-size 256 \
-    --distill-max-minutes 3.5 --distill-max-new-tokens 256 --max-length 768 --init-heads runs/smol-mix5/heads \
-    --num-heads 4 --draft-vocab-size 8192 --tree-size 10 --max-steps 3000 --batch-size 16 --lr 3e-4 \
-    --warmup-steps 50 --mixed-precision bf16 --eval-every 1000 --save-every 250 --output-dir runs/gpu7
-fi
 
 # The Medusa-1 baseline beside them (clover_hf/pretrained/smollm2-135m-instruct-medusa): fresh heads on
 # stage 6's data, whose features the run finds cached when its feature directory is stage 6's

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+import torch
 from transformers import AutoModelForCausalLM
 
 from clover_hf import CloverForCausalLM
@@ -55,6 +57,18 @@ def test_bench_command_writes_results(tmp_path):
     text = (out / "results.md").read_text()
     assert "2 prompts" in text and "| clover |" in text and "2/2" in text
     assert (out / "results.json").is_file()
+
+
+def test_bench_default_device_is_an_available_accelerator(tmp_path, monkeypatch):
+    """A CUDA build of torch on a machine without a GPU still names CUDA as its accelerator: the bench
+    must then run on the CPU, not fail moving the model."""
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    out = _bench(tmp_path, "first prompt\n", "--max-new-tokens", "4", "--no-prompt-lookup")
+    assert "1/1" in (out / "results.md").read_text()
+    if not torch.cuda.is_available():
+        with pytest.raises((AssertionError, RuntimeError)):  # an explicit --device is taken as given
+            _bench(tmp_path / "gpu", "first prompt\n", "--max-new-tokens", "4", "--device", "cuda")
 
 
 def test_bench_compares_variants(tmp_path):

@@ -97,18 +97,21 @@ def test_cuda_shipped_heads_exact(converted):
 
 def test_cuda_tree_forwards_run_without_cudnn_attention():
     """Clover's forwards run with cuDNN attention disabled (it plans per shape); plain `generate` is left alone."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     base = tiny_model("llama").to(CUDA)
     clover = CloverForCausalLM.from_base(base)
     seen = []
     hook = base.register_forward_pre_hook(lambda module, args: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    every = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    ids = prompt(6).to(CUDA)
     try:
-        ids = prompt(6).to(CUDA)
-        before = torch.backends.cuda.cudnn_sdp_enabled()
-        clover.generate(ids, max_new_tokens=20, do_sample=False)
-        assert seen and not any(seen)
-        assert torch.backends.cuda.cudnn_sdp_enabled() == before
-        seen.clear()
-        base.generate(ids, max_new_tokens=5, do_sample=False)
-        assert seen == [before] * len(seen)
+        with sdpa_kernel(every):
+            clover.generate(ids, max_new_tokens=20, do_sample=False)
+            assert seen and not any(seen)
+            assert torch.backends.cuda.cudnn_sdp_enabled()
+            seen.clear()
+            base.generate(ids, max_new_tokens=5, do_sample=False)
+            assert seen and all(seen)
     finally:
         hook.remove()

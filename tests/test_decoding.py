@@ -251,23 +251,28 @@ def _backends() -> tuple[bool, bool, bool, bool]:
 
 def test_tree_attention_leaves_out_cudnn_on_cuda_only():
     """cuDNN attention plans per input shape, and tree forwards change shape every step: Clover's forwards
-    on CUDA run with the other enabled backends. The flags are global, so this runs without a GPU."""
+    on CUDA run with cuDNN attention off. The flags are global, so this runs without a GPU."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from clover_hf.decoding import tree_attention_backends
 
-    before = _backends()
-    with tree_attention_backends(torch.device("cpu")):
-        assert _backends() == before
-    with tree_attention_backends(torch.device("cuda")):
-        assert _backends() == (False, *before[1:])
-    assert _backends() == before
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]):  # the caller's own choice is narrowed, not widened
-        with tree_attention_backends(torch.device("cuda")):
+    cuda = torch.device("cuda")
+    every = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(every):
+        with tree_attention_backends(torch.device("cpu")):
+            assert _backends() == (True, True, True, True)
+        with tree_attention_backends(cuda):
+            assert _backends() == (False, True, True, True)
+        assert _backends() == (True, True, True, True)
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]):  # the caller's choice is narrowed, not widened
+        with tree_attention_backends(cuda):
             assert _backends() == (False, False, False, True)
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):  # cuDNN alone: left as the caller set it
-        with tree_attention_backends(torch.device("cuda")):
-            assert _backends() == (True, False, False, False)
+        assert _backends() == (True, False, False, True)
+    for alone in ([SDPBackend.CUDNN_ATTENTION], [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+        with sdpa_kernel(alone):  # nothing else could take the tree's mask: left as the caller set it
+            before = _backends()
+            with tree_attention_backends(cuda):
+                assert _backends() == before
 
 
 def test_profile_records_stage_times():
