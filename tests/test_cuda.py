@@ -12,6 +12,7 @@ import torch
 from clover_hf import CloverForCausalLM
 
 from .test_decoding import DRAFTING
+from .test_shipped_heads import _chat
 from .tiny import ARCHS, left_padded, prompt, same, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -86,8 +87,7 @@ def test_cuda_shipped_heads_exact(converted):
     tok = AutoTokenizer.from_pretrained(converted)
     steps = tokens = 0
     for question in mtbench_questions()[:4]:
-        ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=False).to(CUDA)
+        ids = _chat(tok, question).to(CUDA)
         expected = model.base_model.generate(ids, max_new_tokens=64, do_sample=False)
         out = model.generate(ids, max_new_tokens=64, do_sample=False)
         assert torch.equal(out, expected)
