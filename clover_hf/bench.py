@@ -61,7 +61,7 @@ def read_prompts(source: str | None, limit: int | None) -> list[str]:
     return prompts[:limit] if limit else prompts
 
 
-def _timed(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, float]:
+def timed(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, float]:
     """Wall time of `fn()`; on an accelerator the queued work is waited for at both ends."""
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
@@ -140,7 +140,7 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
         reference = None
         for name, fn in methods.items():
             torch.manual_seed(k)
-            out, seconds = _timed(lambda: fn(inputs), base.device)
+            out, seconds = timed(lambda: fn(inputs), base.device)
             r = results[name]
             r.seconds += seconds
             r.new_tokens += sum(_generated_lengths(out, prompt_len, eos))

@@ -11,27 +11,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
 
 import torch
 from transformers import AutoTokenizer
 
 import clover_hf.decoding as decoding
 from clover_hf import CloverForCausalLM
+from clover_hf.bench import timed
 from clover_hf.data import mtbench_questions
 from clover_hf.embedded import base_model_path, shipped_heads_path
 
 SETTINGS = {"cudnn off (default)": decoding.tree_attention_backends, "cudnn on": lambda device: contextlib.nullcontext()}
-
-
-def timed(fn, device: torch.device):
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-    start = time.perf_counter()
-    out = fn()
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-    return out, time.perf_counter() - start
 
 
 def main() -> None:
