@@ -137,15 +137,19 @@ ARCHITECTURES = {"clover": _clover_words, "medusa": _medusa_words}  # card wordi
 
 def tree_summary(config: CloverConfig) -> str:
     """The draft settings in words, e.g. "static, 10 nodes, depth 3, plus a prompt-lookup chain of up to 8 tokens"."""
+    def dynamic(t: dict[str, int]) -> str:
+        return f"dynamic: {t['nodes']} nodes chosen each step, depth {t['depth']}, width {t['width']}"
+
     if config.dynamic_tree:
-        t = config.dynamic_tree
-        text = f"dynamic: {t['nodes']} nodes chosen each step, depth {t['depth']}, width {t['width']}"
+        text = dynamic(config.dynamic_tree)
     else:
         text = f"static, {len(config.tree)} nodes, depth {max(len(p) for p in config.tree)}"
     if config.lookup_tokens:
         text += f", plus a prompt-lookup chain of up to {config.lookup_tokens} tokens"
         if config.lookup_max_tokens > config.lookup_tokens:
             text += f" that doubles up to {config.lookup_max_tokens} while the text copies earlier text"
+    if config.accelerator_dynamic_tree:
+        text += f"; on a GPU or other accelerator, at batch size 1, the tree is {dynamic(config.accelerator_dynamic_tree)}"
     return text
 
 

@@ -83,6 +83,12 @@ class CloverConfig:
         metadata={"help": "Draft an EAGLE-2-style tree each step, e.g. {'depth': 4, 'width': 4, 'nodes': 16} "
                           "(None: the static `tree`)."},
     )
+    accelerator_dynamic_tree: dict[str, int] | None = field(
+        default=None,
+        metadata={"help": "Dynamic tree drafted instead at batch size 1 when the base runs on an accelerator (any "
+                          "device but the CPU), where verifying ~130 tokens costs about what ~25 do (None: the same "
+                          "tree everywhere). An explicit tree passed to generate wins over both."},
+    )
     lookup_tokens: int = field(
         default=0, metadata={"help": "Prompt-lookup chain added below the tree's root (0: heads only)."}
     )
@@ -116,16 +122,12 @@ class CloverConfig:
             )
         if self.draft_vocab_size is not None and not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size must be in [1, {self.vocab_size}], got {self.draft_vocab_size}")
-        if self.dynamic_tree is not None:
-            from .tree import DynamicTree
-
-            spec = DynamicTree(**self.dynamic_tree)
-            if spec.depth > self.num_heads:
-                raise ValueError(f"dynamic_tree depth {spec.depth} exceeds the {self.num_heads} heads that draft it")
-            self.dynamic_tree = {"depth": spec.depth, "width": spec.width, "nodes": spec.nodes}
+        self.dynamic_tree = self._checked_dynamic_tree("dynamic_tree")
+        self.accelerator_dynamic_tree = self._checked_dynamic_tree("accelerator_dynamic_tree")
         check_head_type(self.head_type)
-        if self.head_type == "medusa" and self.dynamic_tree is not None:
-            raise ValueError("Medusa heads draft static trees only: drop dynamic_tree and give `tree` (paths)")
+        for name in ("dynamic_tree", "accelerator_dynamic_tree"):
+            if self.head_type == "medusa" and getattr(self, name) is not None:
+                raise ValueError(f"Medusa heads draft static trees only: drop {name} and give `tree` (paths)")
         if self.lookup_tokens < 0:
             raise ValueError(f"lookup_tokens must be >= 0, got {self.lookup_tokens}")
         if self.lookup_max_tokens < 0:
@@ -135,6 +137,17 @@ class CloverConfig:
         if self.tree is None:
             self.tree = [list(p) for p in DEFAULT_TREE if len(p) <= self.num_heads]
         self.tree = validate_tree(self.tree, self.num_heads)
+
+    def _checked_dynamic_tree(self, name: str) -> dict[str, int] | None:
+        spec = getattr(self, name)
+        if spec is None:
+            return None
+        from .tree import DynamicTree
+
+        tree = DynamicTree(**spec)
+        if tree.depth > self.num_heads:
+            raise ValueError(f"{name} depth {tree.depth} exceeds the {self.num_heads} heads that draft it")
+        return {"depth": tree.depth, "width": tree.width, "nodes": tree.nodes}
 
     @property
     def head_dim(self) -> int:

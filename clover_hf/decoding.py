@@ -135,7 +135,11 @@ def _stack_trees(drafts: list[tuple[torch.Tensor, TreeBuffers | StepTree]], rows
     return ids, positions, allowed
 
 
-def _tree_spec(tree: list[list[int]] | DynamicTree | dict | None, config) -> list[list[int]] | DynamicTree:
+def _tree_spec(tree: list[list[int]] | DynamicTree | dict | None, config, device: torch.device, batch: int
+               ) -> list[list[int]] | DynamicTree:
+    """The tree to draft: the caller's, else the heads' tree for this device and batch size."""
+    if tree is None and device.type != "cpu" and batch == 1 and config.accelerator_dynamic_tree is not None:
+        tree = config.accelerator_dynamic_tree
     if tree is None:
         tree = config.dynamic_tree if config.dynamic_tree is not None else config.tree
     return DynamicTree(**tree) if isinstance(tree, dict) else tree
@@ -228,7 +232,8 @@ def clover_generate(
 
     `clover_tree` (static paths, or a `DynamicTree` / its dict), `clover_lookup` (prompt-lookup
     chain length) and `clover_lookup_max` (the length a chain may grow to while the text keeps
-    copying) default to the heads' config.
+    copying) default to the heads' config; off the CPU, at batch size 1, the tree defaults to the
+    config's `accelerator_dynamic_tree` where it has one.
     `generate` does not hand its `streamer` to custom callables, so it arrives as `clover_streamer`.
     `clover_profile=True` records wall time per stage in `stats.stage_seconds`.
     """
@@ -242,7 +247,7 @@ def clover_generate(
     streamer = clover_streamer if clover_streamer is not None else streamer
     if batch > 1 and (want_scores or streamer is not None):
         raise ValueError("Clover returns scores and streams for batch size 1 only; pass one sequence at a time")
-    spec = _tree_spec(clover_tree, heads.config)
+    spec = _tree_spec(clover_tree, heads.config, device, batch)
     if isinstance(spec, DynamicTree) and not heads.dynamic_trees:
         raise ValueError(f"{heads.config.head_type} heads draft static trees only: pass tree=[[0], [1], [0, 0], ...] "
                          "(paths in Medusa's format) instead of a dynamic tree")

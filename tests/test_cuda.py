@@ -13,7 +13,7 @@ from clover_hf import CloverForCausalLM
 
 from .test_decoding import DRAFTING
 from .test_shipped_heads import _chat
-from .tiny import ARCHS, left_padded, prompt, same, tiny_model
+from .tiny import ARCHS, left_padded, oracle_model, prompt, same, tiny_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -41,6 +41,17 @@ def test_cuda_matches_base(arch, drafting):
         out = clover.generate(ids, max_new_tokens=60, do_sample=False, **DRAFTING[drafting])
         assert out.device.type == "cuda" and same(out, ref)
         assert clover.generation_stats.new_tokens == 60
+
+
+def test_cuda_drafts_the_accelerator_tree():
+    """On the GPU the heads' `accelerator_dynamic_tree` replaces their one-node static tree."""
+    base = tiny_model("llama").to(CUDA)
+    ids = prompt(3, length=6).to(CUDA)
+    ref = base.generate(ids, max_new_tokens=40, do_sample=False)
+    clover = oracle_model(base, ref, tree=[[0]], accelerator_dynamic_tree={"depth": 3, "width": 3, "nodes": 10})
+    out = clover.generate(ids, max_new_tokens=40, do_sample=False)
+    assert same(out, ref)
+    assert max(clover.generation_stats.accepted_lengths) == 3
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text", "gpt2"])

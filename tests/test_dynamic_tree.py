@@ -99,6 +99,37 @@ def test_dynamic_tree_saved_with_heads(tmp_path):
                  base.generate(ids, max_new_tokens=30, do_sample=False))
 
 
+def test_accelerator_tree_is_the_default_off_the_cpu_only():
+    """Heads may carry a second, larger tree for accelerators at batch size 1; the CPU and batches keep
+    the static tree, and an explicit tree wins everywhere."""
+    from clover_hf.decoding import _tree_spec
+
+    base = tiny_model("llama")
+    ids = prompt(3, length=6)
+    ref = base.generate(ids, max_new_tokens=40, do_sample=False)
+    clover = oracle_model(base, ref, tree=[[0]], accelerator_dynamic_tree=SPEC)
+    out = clover.generate(ids, max_new_tokens=40, do_sample=False)
+    assert same(out, ref)
+    assert max(clover.generation_stats.accepted_lengths) == 1  # the one-node static tree ran on the CPU
+    config = clover.clover_config
+    assert _tree_spec(None, config, torch.device("cpu"), 1) == [[0]]
+    assert _tree_spec(None, config, torch.device("cuda"), 1) == DynamicTree(**SPEC)
+    assert _tree_spec(None, config, torch.device("cuda"), 4) == [[0]]
+    assert _tree_spec([[0], [1]], config, torch.device("cuda"), 1) == [[0], [1]]
+
+
+def test_accelerator_tree_config_checks_and_round_trip(tmp_path):
+    deep = {"depth": 4, "width": 2, "nodes": 6}
+    with pytest.raises(ValueError, match="accelerator_dynamic_tree depth 4 exceeds the 3 heads"):
+        CloverConfig(hidden_size=8, vocab_size=16, num_attention_heads=2, num_heads=3, accelerator_dynamic_tree=deep)
+    with pytest.raises(ValueError, match="Medusa heads draft static trees only: drop accelerator_dynamic_tree"):
+        CloverConfig(hidden_size=64, vocab_size=100, head_type="medusa", accelerator_dynamic_tree=SPEC)
+    base = tiny_model("llama")
+    CloverForCausalLM.from_base(base, accelerator_dynamic_tree=SPEC).save_pretrained(tmp_path / "heads")
+    again = CloverForCausalLM.from_pretrained(tmp_path / "heads", base_model=base)
+    assert again.clover_config.accelerator_dynamic_tree == SPEC and again.clover_config.dynamic_tree is None
+
+
 def test_model_card_describes_the_draft_settings():
     from clover_hf.card import render_model_card
 
@@ -108,3 +139,7 @@ def test_model_card_describes_the_draft_settings():
                            lookup_tokens=8)
     text = render_model_card(dynamic)
     assert "dynamic: 10 nodes chosen each step, depth 3, width 3, plus a prompt-lookup chain of up to 8 tokens" in text
+    both = CloverConfig(hidden_size=8, vocab_size=16, num_attention_heads=2, num_heads=3, tree=[[0], [1], [0, 0]],
+                        accelerator_dynamic_tree=SPEC)
+    assert ("static, 3 nodes, depth 2; on a GPU or other accelerator, at batch size 1, the tree is dynamic: "
+            "10 nodes chosen each step" in render_model_card(both))
