@@ -18,4 +18,4 @@ __all__ = [
     "DynamicTree",
     "clover_generate",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -1,6 +1,7 @@
 """Probe: how much of a bf16 forward on the CPU goes to laying out linear weights, and what prepacked
 oneDNN weights would do for plain decoding and for Clover alike (measured for BENCHMARKS.md; not a
-library feature: packed copies double the weights' memory, and the gain is not Clover's to claim).
+library feature: packed copies of every linear weight, the tied lm_head's included, about double the
+weights' memory, and the gain is not Clover's to claim).
 
 Stock `F.linear` in bf16 hands oneDNN a plain weight, which it lays out anew on every call;
 `torch.ops.mkldnn._reorder_linear_weight` does that once (the kernel inductor uses with freezing).
@@ -85,21 +86,28 @@ def main() -> None:
         "clover, packed": (lambda inputs: model.generate(**inputs, max_new_tokens=128, do_sample=False), True),
     }
     totals = {name: [0, 0.0] for name in methods}
+    same = {"plain": 0, "clover": 0}  # packed output == stock output, per decoder
+    order = list(methods)
     for i, question in enumerate(mtbench_questions()[: args.limit + 1]):
         inputs = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                                return_tensors="pt", return_dict=True)
-        for name, (generate, on) in methods.items():
+        outputs = {}
+        for name in order if i % 2 else order[::-1]:  # no method always runs first
+            generate, on = methods[name]
             with packed(switch, on):
                 start = time.perf_counter()
-                out = generate(inputs)
+                outputs[name] = generate(inputs)
                 seconds = time.perf_counter() - start
             if i:  # the first prompt warms up
-                totals[name][0] += out.shape[1] - inputs["input_ids"].shape[1]
+                totals[name][0] += outputs[name].shape[1] - inputs["input_ids"].shape[1]
                 totals[name][1] += seconds
         if i:
+            same["plain"] += torch.equal(outputs["plain generate"], outputs["plain generate, packed"])
+            same["clover"] += torch.equal(outputs["clover"], outputs["clover, packed"])
             plain = totals["plain generate"][0] / totals["plain generate"][1]
             print(f"[{i}/{args.limit}] " + "  ".join(
                 f"{name}: {n / s:.1f} tok/s ({n / s / plain:.2f}x)" for name, (n, s) in totals.items()), flush=True)
+    print(f"packed output identical to stock: plain {same['plain']}/{args.limit}, clover {same['clover']}/{args.limit}")
 
 
 if __name__ == "__main__":

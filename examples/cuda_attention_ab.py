@@ -2,7 +2,8 @@
 during its forwards (the library's default) against Clover with cuDNN left on, next to plain
 `generate`, prompt by prompt on MT-Bench first turns with the shipped heads. Then one profiled
 prompt under each setting. Prints as it goes, so a cut run still reports. The timed prompts follow
-one untimed warm-up per method, and the two settings take turns at running first.
+one untimed warm-up per method, and the two settings take turns at running first. Clover drafts the
+heads' static tree throughout (not their larger `accelerator_dynamic_tree`), as in the recorded runs.
 
     python examples/cuda_attention_ab.py --dtype bfloat16 --limit 8
 """
@@ -41,10 +42,12 @@ def main() -> None:
         messages = [{"role": "user", "content": question}]
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=False).to(device)
 
+    tree = model.clover_config.tree  # the static tree of the recorded runs, not the GPU's larger default
+
     def clover(ids: torch.Tensor, backends, **kwargs) -> float:
         decoding.tree_attention_backends = backends
         try:
-            return timed(lambda: model.generate(ids, max_new_tokens=128, do_sample=False, **kwargs), device)[1]
+            return timed(lambda: model.generate(ids, max_new_tokens=128, do_sample=False, tree=tree, **kwargs), device)[1]
         finally:
             decoding.tree_attention_backends = SETTINGS["cudnn off (default)"]
 

@@ -128,6 +128,8 @@ def test_accelerator_tree_config_checks_and_round_trip(tmp_path):
     CloverForCausalLM.from_base(base, accelerator_dynamic_tree=SPEC).save_pretrained(tmp_path / "heads")
     again = CloverForCausalLM.from_pretrained(tmp_path / "heads", base_model=base)
     assert again.clover_config.accelerator_dynamic_tree == SPEC and again.clover_config.dynamic_tree is None
+    # heads without one save no such key, so clover-hf from before the field still reads them
+    assert "accelerator_dynamic_tree" not in CloverConfig(hidden_size=8, vocab_size=16, num_attention_heads=2).to_dict()
 
 
 def test_model_card_describes_the_draft_settings():
