@@ -56,6 +56,7 @@ def test_bench_command_writes_results(tmp_path):
     out = _bench(tmp_path, "first prompt\nsecond prompt\n", "--max-new-tokens", "8")
     text = (out / "results.md").read_text()
     assert "2 prompts" in text and "| clover |" in text and "2/2" in text
+    assert "clover's draft settings, unless a variant overrides them: static, 25 nodes, depth 4" in text
     assert (out / "results.json").is_file()
 
 
