@@ -31,6 +31,9 @@ def main() -> None:
                         help="length the chain doubles up to while the text copies (lookup_max_tokens)")
     parser.add_argument("--dynamic-tree", type=json.loads, default=None,
                         help='ship a dynamic tree, e.g. \'{"depth": 4, "width": 4, "nodes": 16}\'')
+    parser.add_argument("--accelerator-tree", type=json.loads, default=None,
+                        help='the dynamic tree drafted at batch size 1 off the CPU (accelerator_dynamic_tree), e.g. '
+                             '\'{"depth": 4, "width": 16, "nodes": 128}\'')
     parser.add_argument("--note", action="append", default=[], help="a line for the card's training facts")
     args = parser.parse_args()
     heads = load_heads(args.heads, dtype=torch.bfloat16)
@@ -49,6 +52,8 @@ def main() -> None:
         heads.config.lookup_max_tokens = args.lookup_max
     if args.dynamic_tree is not None:
         heads.config.dynamic_tree = args.dynamic_tree
+    if args.accelerator_tree is not None:
+        heads.config.accelerator_dynamic_tree = args.accelerator_tree
     heads.config.__post_init__()  # validate the settings just changed
     metrics["notes"] = metrics.get("notes", []) + args.note
     if args.benchmark:

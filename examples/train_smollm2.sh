@@ -44,9 +44,11 @@ clover-hf train "${COMMON[@]}" --data sharegpt --skip-records 4800 --max-records
     --eval-every 300 --output-dir runs/smol-mix5
 
 # packaged with the static tree and lookup chain that were fastest in a sweep on 8 MT-Bench prompts (bf16);
-# the chain doubles up to 20 tokens while the text copies earlier text
+# the chain doubles up to 20 tokens while the text copies earlier text; on a GPU, at batch size 1, a 128-node
+# dynamic tree (fastest of 10/32/64/128 nodes on an H100, BENCHMARKS.md "On a GPU")
 python examples/package_heads.py runs/smol-mix5/heads \
-    --tree '[[0],[1],[2],[3],[4],[0,0],[0,1],[1,0],[2,0],[0,0,0]]' --lookup 5 --lookup-max 20
+    --tree '[[0],[1],[2],[3],[4],[0,0],[0,1],[1,0],[2,0],[0,0,0]]' --lookup 5 --lookup-max 20 \
+    --accelerator-tree '{"depth": 4, "width": 16, "nodes": 128}'
 
 # The Medusa-1 baseline beside them (clover_hf/pretrained/smollm2-135m-instruct-medusa): fresh heads on
 # stage 6's data, whose features the run finds cached when its feature directory is stage 6's
