@@ -3,8 +3,9 @@ oneDNN weights would do for plain decoding and for Clover alike (measured for BE
 library feature: packed copies of every linear weight, the tied lm_head's included, about double the
 weights' memory, and the gain is not Clover's to claim).
 
-Stock `F.linear` in bf16 hands oneDNN a plain weight, which it lays out anew on every call;
-`torch.ops.mkldnn._reorder_linear_weight` does that once (the kernel inductor uses with freezing).
+Stock `F.linear` in bf16 hands oneDNN a plain weight, which (judging by the gain; not traced) it lays
+out anew on every call; `torch.ops.mkldnn._reorder_linear_weight` does that once (the kernel inductor
+uses with freezing).
 Runs on MT-Bench first turns with the shipped heads, each method prompt by prompt, after a warm-up:
 
     python examples/cpu_packed_linear_probe.py --limit 8
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 from clover_hf import CloverForCausalLM
+from clover_hf.bench import timed
 from clover_hf.data import mtbench_questions
 from clover_hf.embedded import base_model_path, shipped_heads_path
 
@@ -79,12 +81,8 @@ def main() -> None:
         print(f"forward of {k} token(s): stock {1000 * times[False]:.1f} ms, packed {1000 * times[True]:.1f} ms, "
               f"logits bitwise equal: {torch.equal(logits[False], logits[True])}")
 
-    methods = {
-        "plain generate": (lambda inputs: base.generate(**inputs, max_new_tokens=128, do_sample=False), False),
-        "plain generate, packed": (lambda inputs: base.generate(**inputs, max_new_tokens=128, do_sample=False), True),
-        "clover": (lambda inputs: model.generate(**inputs, max_new_tokens=128, do_sample=False), False),
-        "clover, packed": (lambda inputs: model.generate(**inputs, max_new_tokens=128, do_sample=False), True),
-    }
+    decoders = {"plain generate": base, "clover": model}
+    methods = {name + (", packed" if on else ""): (decoder, on) for name, decoder in decoders.items() for on in (False, True)}
     totals = {name: [0, 0.0] for name in methods}
     same = {"plain": 0, "clover": 0}  # packed output == stock output, per decoder
     order = list(methods)
@@ -93,11 +91,10 @@ def main() -> None:
                                                return_tensors="pt", return_dict=True)
         outputs = {}
         for name in order if i % 2 else order[::-1]:  # no method always runs first
-            generate, on = methods[name]
+            decoder, on = methods[name]
             with packed(switch, on):
-                start = time.perf_counter()
-                outputs[name] = generate(inputs)
-                seconds = time.perf_counter() - start
+                outputs[name], seconds = timed(
+                    lambda: decoder.generate(**inputs, max_new_tokens=128, do_sample=False), base.device)
             if i:  # the first prompt warms up
                 totals[name][0] += outputs[name].shape[1] - inputs["input_ids"].shape[1]
                 totals[name][1] += seconds
