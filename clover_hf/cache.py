@@ -25,6 +25,16 @@ def _gather_slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return t.gather(-2, index.expand(-1, t.shape[1], -1, t.shape[-1]))
 
 
+def _in_place(keep: torch.Tensor) -> int:
+    """How many leading entries every row keeps where they are (offset i at i): those need no move.
+
+    The root is always kept at offset 0, and a step that accepts the first drafted node keeps offset
+    1 too, so often nothing moves. One host sync; the caller's acceptance already synced this step.
+    """
+    same = (keep == torch.arange(keep.shape[1], device=keep.device)).all(dim=0)
+    return int(same.long().cumprod(0).sum())
+
+
 def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> None:
     """Move the kept tree entries to the prefix end and drop the rest.
 
@@ -32,10 +42,12 @@ def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> N
     entries pads its list with any offset; the caller masks those slots out (position -1).
     """
     end = prefix_len + keep.shape[1]
-    src = keep + prefix_len
+    start = _in_place(keep)
+    src = keep[:, start:] + prefix_len
     for layer in _layers(cache):
-        for t in (layer.keys, layer.values):
-            t[..., prefix_len:end, :] = _gather_slots(t, src)
+        if start < keep.shape[1]:
+            for t in (layer.keys, layer.values):
+                t[..., prefix_len + start : end, :] = _gather_slots(t, src)
         layer.keys = layer.keys[..., :end, :]
         layer.values = layer.values[..., :end, :]
 

@@ -44,3 +44,14 @@ def test_select_slots_gathers_per_row():
     select_slots(cache, torch.tensor([[1, 3], [4, 0]]))
     assert cache.layers[1].keys[:, 0, :, 0].tolist() == [[1001, 1003], [1009, 1005]]
     assert cache.layers[1].values[:, 0, :, 0].tolist() == [[-1, -3], [-9, -5]]
+
+
+def test_compact_cache_moves_only_what_is_out_of_place():
+    # the root and the first drafted node stay at offsets 0 and 1; only offset 4 moves, to offset 2
+    cache, expected = _cache(batch=1, length=9), _cache(batch=1, length=9)
+    compact_cache(cache, 4, torch.tensor([[0, 1, 4]]))
+    assert cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 8]
+    # nothing out of place: the block is cut after the kept entries
+    compact_cache(expected, 4, torch.tensor([[0, 1]]))
+    assert expected.layers[1].keys[0, 0, :, 0].tolist() == [1000 + v for v in range(6)]
+    assert torch.equal(expected.layers[1].values, -(expected.layers[1].keys - 1000))
