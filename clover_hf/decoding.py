@@ -18,7 +18,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel,
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .cache import compact_cache, new_cache, select_rows, select_slots
-from .heads import AugmentCache, DraftHeads
+from .heads import AugmentCache, DraftHeads, DraftLMHead
 from .lookup import lookup_continuation
 from .tree import DynamicTree, StepTree, TreeBuffers, build_tree, select_dynamic, with_chain
 from .verification import MaskLayout, accept_greedy, accept_sampled, process_tree_logits, sample_token
@@ -145,14 +145,14 @@ def _tree_spec(tree: list[list[int]] | DynamicTree | dict | None, config, device
     return DynamicTree(**tree) if isinstance(tree, dict) else tree
 
 
-def _draft_tree(heads: DraftHeads, feature, root, spec, trees, chain, embed, lm_weight, lm_bias
+def _draft_tree(heads: DraftHeads, feature, root, spec, trees, chain, embed, lm_head: DraftLMHead
                 ) -> tuple[torch.Tensor, TreeBuffers | StepTree]:
     """This step's node tokens (root first) and the tree that verifies them."""
     if trees is not None:
-        drafted = heads.draft(feature, root, trees[0], embed, lm_weight, lm_bias)
+        drafted = heads.draft(feature, root, trees[0], embed, lm_head)
         tree = trees[chain.shape[0]]
         return tree.assemble(root, drafted, chain), tree
-    candidates = heads.draft_dynamic(feature, root, spec.depth, spec.width, embed, lm_weight, lm_bias)
+    candidates = heads.draft_dynamic(feature, root, spec.depth, spec.width, embed, lm_head)
     drafted, parents, depths = select_dynamic(*candidates, spec.nodes)
     zero = parents.new_zeros(1)
     tokens, parents, depths = torch.cat([root.view(1), drafted]), torch.cat([zero, parents]), torch.cat([zero, depths])
@@ -221,6 +221,7 @@ def clover_generate(
     clover_streamer: object | None = None,
     clover_stats: GenerationStats | None = None,
     clover_profile: bool = False,
+    clover_int8_draft: bool | None = None,
     **model_kwargs,
 ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
     """Clover decoding (greedy or sampling); the signature is transformers' `custom_generate` contract.
@@ -236,6 +237,7 @@ def clover_generate(
     config's `accelerator_dynamic_tree` where it has one.
     `generate` does not hand its `streamer` to custom callables, so it arrives as `clover_streamer`.
     `clover_profile=True` records wall time per stage in `stats.stage_seconds`.
+    `clover_int8_draft` drafts from int8 lm_head rows (`DraftHeads.draft_lm_head`); default: on the CPU.
     """
     if clover_heads is None:
         raise ValueError("clover_generate needs clover_heads=CloverHeads(...) (or other DraftHeads)")
@@ -260,7 +262,8 @@ def clover_generate(
         raise ValueError(f"the tree is {depth} deep but the heads draft {heads.config.num_heads} tokens")
     stats = clover_stats if clover_stats is not None else GenerationStats()
     embed = model.get_input_embeddings()
-    lm_weight, lm_bias = heads.draft_lm_head(model.get_output_embeddings())
+    int8 = device.type == "cpu" if clover_int8_draft is None else clover_int8_draft
+    lm_head = heads.draft_lm_head(model.get_output_embeddings(), int8=int8)
     layout = MaskLayout.for_config(model.config)
     dtype = model.dtype
     sample = bool(generation_config.do_sample)
@@ -303,7 +306,7 @@ def clover_generate(
             depth_left = generation_config.max_length - row.emitter.input_ids.shape[1] - 1  # after the bonus token
             chain_len = min(row.chain_len, depth_left)
             chain = lookup_continuation(text, chain_len) if chain_len > 0 else row.root.new_empty(0)
-            tokens, tree = _draft_tree(heads, row.feature, row.root, spec, trees, chain, embed, lm_weight, lm_bias)
+            tokens, tree = _draft_tree(heads, row.feature, row.root, spec, trees, chain, embed, lm_head)
             drafts.append(_no_deeper(tokens, tree, depth_left))
             chains.append(chain)
         clock.lap("draft")

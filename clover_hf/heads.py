@@ -2,7 +2,7 @@
 and Medusa-1's, the baseline Clover is measured against.
 
 The heads never hold vocabulary-sized weights: token embeddings and the lm_head come from the base
-model at run time and are passed in explicitly (`embed`, `lm_weight`, `lm_bias`).
+model at run time and are passed in explicitly (`embed`, and the lm_head rows as a `DraftLMHead`).
 """
 
 from __future__ import annotations
@@ -33,13 +33,18 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (rotate-half form). x: (B, nh, T, hd); positions: (B, T)."""
-    hd = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (B, 1, T, head_dim) of the rotary embedding at positions (B, T)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
     angles = positions.float()[:, None, :, None] * inv_freq  # (B, 1, T, hd/2)
-    cos = torch.cat([angles.cos(), angles.cos()], -1).to(x.dtype)
-    sin = torch.cat([angles.sin(), angles.sin()], -1).to(x.dtype)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], -1).to(dtype), torch.cat([sin, sin], -1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half form). x: (B, nh, T, hd); cos, sin from `rope_tables`."""
+    hd = x.shape[-1]
     x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
@@ -86,18 +91,22 @@ class AugmentLayer(nn.Module):
         q = self.q_proj(y).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(y).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(y).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, positions, self.rope_theta), apply_rope(k, positions, self.rope_theta)
+        cos, sin = rope_tables(positions, self.head_dim, self.rope_theta, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if past is not None:
             k, v = torch.cat([past[0], k], dim=-2), torch.cat([past[1], v], dim=-2)
-        rep = self.n_heads // self.n_kv
-        kk, vv = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if x.device.type == "cpu":  # the CPU kernels read shared KV heads directly, masked or not
+            kk, vv, gqa = k, v, {"enable_gqa": True}
+        else:  # elsewhere a mask with shared KV heads can fall back to the math kernel
+            rep = self.n_heads // self.n_kv
+            kk, vv, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), {}
         if attn_mask is None and past is not None and past[0].shape[-2] > 0:
             causal = torch.ones(T, k.shape[-2], dtype=torch.bool, device=x.device).tril(k.shape[-2] - T)
-            attn = F.scaled_dot_product_attention(q, kk, vv, attn_mask=causal)
+            attn = F.scaled_dot_product_attention(q, kk, vv, attn_mask=causal, **gqa)
         elif attn_mask is None:
-            attn = F.scaled_dot_product_attention(q, kk, vv, is_causal=T > 1)
+            attn = F.scaled_dot_product_attention(q, kk, vv, is_causal=T > 1, **gqa)
         else:
-            attn = F.scaled_dot_product_attention(q, kk, vv, attn_mask=attn_mask)
+            attn = F.scaled_dot_product_attention(q, kk, vv, attn_mask=attn_mask, **gqa)
         x = x + self.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
         y = self.post_attention_layernorm(x)
         x = x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
@@ -140,6 +149,36 @@ class OutputHead(nn.Module):
         return self.norm(s + F.silu(self.fc(torch.cat([s, e], dim=-1))))
 
 
+@dataclass(frozen=True)
+class DraftLMHead:
+    """The base lm_head's rows that the heads draft from: logits = hidden @ weight.T (+ bias)."""
+
+    weight: torch.Tensor  # (V', H) in the base's dtype, or int8 rows scaled by `scales`
+    bias: torch.Tensor | None = None
+    scales: torch.Tensor | None = None  # (V',) per-row scales of int8 rows, in the activations' dtype
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.scales is None:
+            return F.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
+        x = hidden.to(self.scales.dtype)
+        out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight, self.scales)
+        out = out.view(*x.shape[:-1], -1)
+        return out if self.bias is None else out + self.bias
+
+    @staticmethod
+    def int8_fits(weight: torch.Tensor) -> bool:
+        """Whether int8 rows serve this weight: on the CPU, whose int8 kernel tiles the hidden size by 16."""
+        return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[1] % 16 == 0
+
+    @classmethod
+    def quantized(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "DraftLMHead":
+        """Symmetric int8 rows, one scale per row (max |w| / 127)."""
+        w = weight.float()
+        scales = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        rows = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        return cls(rows, bias, scales.to(weight.dtype))
+
+
 class DraftHeads(nn.Module):
     """What every kind of draft heads shares: the config, the draft vocabulary and its lm_head rows.
 
@@ -158,18 +197,27 @@ class DraftHeads(nn.Module):
             self.register_buffer("draft_token_ids", torch.arange(config.draft_vocab_size), persistent=True)
         else:
             self.draft_token_ids = None
+        self._lm_head_rows: tuple[tuple, DraftLMHead] | None = None  # (what they were built from, rows)
 
-    def draft_lm_head(self, lm_head: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The base lm_head's weight and bias restricted to the draft vocabulary (all rows without one)."""
+    def draft_lm_head(self, lm_head: nn.Module, int8: bool = False) -> "DraftLMHead":
+        """The base lm_head restricted to the draft vocabulary (all rows without one).
+
+        `int8=True` keeps the draft-vocabulary rows as int8 with a scale per row, where the heads
+        have a draft vocabulary and the kernel takes the hidden size. On a CPU, drafting reads these
+        rows from memory at every depth of every step, their largest cost; int8 halves the read.
+        Drafts may change slightly; what verification accepts does not. The rows are built once and
+        kept until the lm_head's weight changes.
+        """
         weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
         if self.draft_token_ids is None:
-            return weight, bias
-        return weight[self.draft_token_ids], None if bias is None else bias[self.draft_token_ids]
-
-    def draft_logits(
-        self, hidden: torch.Tensor, lm_weight: torch.Tensor, lm_bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        return F.linear(hidden.to(lm_weight.dtype), lm_weight, lm_bias)
+            return DraftLMHead(weight, bias)
+        int8 = int8 and DraftLMHead.int8_fits(weight)
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, int8)
+        if self._lm_head_rows is None or self._lm_head_rows[0] != key:
+            ids = self.draft_token_ids.to(weight.device)
+            rows, bias = weight.detach()[ids], None if bias is None else bias.detach()[ids]
+            self._lm_head_rows = (key, DraftLMHead.quantized(rows, bias) if int8 else DraftLMHead(rows, bias))
+        return self._lm_head_rows[1]
 
     def init_from_base(self, base_model: nn.Module) -> bool:
         """Copy what fits from the base into fresh heads; returns whether anything was copied."""
@@ -234,8 +282,7 @@ class CloverHeads(DraftHeads):
         root: torch.Tensor,  # () the token that follows it (already chosen, not yet verified by the cache)
         tree: "TreeBuffers",
         embed: nn.Module,
-        lm_weight: torch.Tensor,  # (V', H): the lm_head rows of the draft vocabulary
-        lm_bias: torch.Tensor | None,
+        lm_head: DraftLMHead,
     ) -> torch.Tensor:
         """Draft the tree's tokens (num_nodes - 1,), one batched step per depth."""
         states = feature.view(1, -1)
@@ -244,7 +291,7 @@ class CloverHeads(DraftHeads):
         for d, level in enumerate(tree.levels):
             if d > 0:
                 states = self.regressive(states[level.parent_of_expanded], e)
-            logits = self.draft_logits(self.heads[d](states, e), lm_weight, lm_bias)
+            logits = lm_head(self.heads[d](states, e))
             top = logits.topk(level.k, dim=-1).indices  # (n_expanded, k)
             if self.draft_token_ids is not None:
                 top = self.draft_token_ids[top]
@@ -262,8 +309,7 @@ class CloverHeads(DraftHeads):
         depth: int,
         width: int,
         embed: nn.Module,
-        lm_weight: torch.Tensor,
-        lm_bias: torch.Tensor | None,
+        lm_head: DraftLMHead,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Candidates of an EAGLE-2-style tree: at each depth the `width` likeliest paths get `width` children.
 
@@ -279,7 +325,7 @@ class CloverHeads(DraftHeads):
         for d in range(depth):
             if d > 0:
                 states = self.regressive(states, e)
-            logp = self.draft_logits(self.heads[d](states, e), lm_weight, lm_bias).float().log_softmax(-1)
+            logp = lm_head(self.heads[d](states, e)).float().log_softmax(-1)
             top = logp.topk(width, dim=-1)  # (F, width)
             ids = top.indices if self.draft_token_ids is None else self.draft_token_ids[top.indices]
             joint = (path_logp[:, None] + top.values).flatten()
@@ -380,13 +426,12 @@ class MedusaHeads(DraftHeads):
         root: torch.Tensor,  # () unused: Medusa's heads do not see the tokens before their own
         tree: "TreeBuffers",
         embed: nn.Module,
-        lm_weight: torch.Tensor,
-        lm_bias: torch.Tensor | None,
+        lm_head: DraftLMHead,
     ) -> torch.Tensor:
         """Draft the tree's tokens (num_nodes - 1,): the node of rank r at depth d is head d's r-th token."""
         depth = len(tree.levels)
         states = torch.stack([head(feature) for head in self.heads[:depth]])  # (D, H)
-        logits = self.draft_logits(states, lm_weight, lm_bias)
+        logits = lm_head(states)
         drafted = []
         for d, level in enumerate(tree.levels):
             top = logits[d].topk(level.k).indices

@@ -145,9 +145,9 @@ class Trainer:
         lm_head = base.get_output_embeddings()
         device = self.accelerator.device
         self.embed = base.get_input_embeddings()
-        weight, bias = heads.draft_lm_head(lm_head)
-        self.lm_weight = weight.detach().float().to(device)
-        self.lm_bias = None if bias is None else bias.detach().float().to(device)
+        rows = heads.draft_lm_head(lm_head)
+        self.lm_weight = rows.weight.detach().float().to(device)
+        self.lm_bias = None if rows.bias is None else rows.bias.detach().float().to(device)
         ids = heads.draft_token_ids
         if ids is not None:
             self.full_to_draft = torch.full((lm_head.weight.shape[0],), -1, dtype=torch.long, device=device)

@@ -67,16 +67,16 @@ def test_medusa_draft_takes_each_depths_top_k_whatever_the_parent():
     tree = build_tree(paths)
     feature = torch.randn(base.config.hidden_size)
     embed = base.get_input_embeddings()
-    weight, bias = heads.draft_lm_head(base.get_output_embeddings())
-    drafted = heads.draft(feature, torch.tensor(5), tree, embed, weight, bias)
+    lm_head = heads.draft_lm_head(base.get_output_embeddings())
+    drafted = heads.draft(feature, torch.tensor(5), tree, embed, lm_head)
     by_path = dict(zip(tree.paths, drafted.tolist()))
-    ranked = [heads.draft_token_ids[heads.draft_logits(head(feature), weight, bias).topk(2).indices].tolist()
+    ranked = [heads.draft_token_ids[lm_head(head(feature)).topk(2).indices].tolist()
               for head in heads.heads[:3]]  # each head's top-2, as base-vocabulary ids
     for path, token in by_path.items():
         assert token == ranked[len(path) - 1][path[-1]], path  # the rank-th token of head depth-1
     assert by_path[(0, 0)] == by_path[(1, 0)] and by_path[(0, 0, 0)] == by_path[(1, 1, 0)]
     # Medusa's heads never see the root: another root drafts the same tree
-    assert torch.equal(drafted, heads.draft(feature, torch.tensor(9), tree, embed, weight, bias))
+    assert torch.equal(drafted, heads.draft(feature, torch.tensor(9), tree, embed, lm_head))
 
 
 def test_medusa_heads_learn_the_tokens_they_draft(tmp_path):

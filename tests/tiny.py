@@ -106,7 +106,7 @@ class OracleHeads(CloverHeads):
         row, position = self.pending.pop(0)
         return self.references[row], position + 1
 
-    def draft(self, feature, root, tree, embed, lm_weight, lm_bias):
+    def draft(self, feature, root, tree, embed, lm_head):
         reference, root_pos = self._truth()
         leaves = [p for p in tree.paths if not any(q[: len(p)] == p and len(q) > len(p) for q in tree.paths)]
         target = leaves[self.step % len(leaves)]
@@ -120,10 +120,10 @@ class OracleHeads(CloverHeads):
             out.append(truth if on_branch else (truth + 1 + p[-1]) % VOCAB)
         return torch.tensor(out, device=feature.device)
 
-    def draft_dynamic(self, feature, root, depth, width, embed, lm_weight, lm_bias):
+    def draft_dynamic(self, feature, root, depth, width, embed, lm_head):
         """The real candidates, re-labelled: one deepest path carries the reference and ranks first."""
         reference, root_pos = self._truth()
-        tokens, parents, depths, scores = super().draft_dynamic(feature, root, depth, width, embed, lm_weight, lm_bias)
+        tokens, parents, depths, scores = super().draft_dynamic(feature, root, depth, width, embed, lm_head)
         par, dep = parents.tolist(), depths.tolist()
         deepest = [i for i, d in enumerate(dep) if d == depth]
         node, branch = deepest[self.step % len(deepest)], set()

@@ -1,0 +1,63 @@
+"""The draft vocabulary's lm_head rows: int8 on the CPU, exact output either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clover_hf import CloverForCausalLM
+from clover_hf.heads import DraftLMHead
+
+from .tiny import prompt, same, tiny_model
+
+
+@pytest.mark.parametrize("int8", [None, True, False])
+@pytest.mark.parametrize("tree", [None, {"depth": 3, "width": 3, "nodes": 10}])
+def test_int8_draft_rows_keep_output_exact(int8, tree):
+    base = tiny_model("llama")
+    clover = CloverForCausalLM.from_base(base, draft_vocab_size=40)
+    ids = prompt(21)
+    ref = base.generate(ids, max_new_tokens=40, do_sample=False)
+    kwargs = {} if int8 is None else {"clover_int8_draft": int8}
+    out = clover.generate(ids, max_new_tokens=40, do_sample=False, tree=tree, **kwargs)
+    assert same(out, ref)
+    _, drafted_from = clover.clover_heads._lm_head_rows  # the rows this generate call drafted from
+    assert drafted_from.weight.dtype == (torch.float32 if int8 is False else torch.int8)  # None: int8 on the CPU
+    assert drafted_from.weight.shape == (40, base.config.hidden_size)
+
+
+def test_quantized_rows_approximate_the_logits():
+    torch.manual_seed(0)
+    weight, hidden = torch.randn(300, 64), torch.randn(5, 64)
+    exact, rows = hidden @ weight.T, DraftLMHead.quantized(weight)
+    approx = rows(hidden)
+    # each weight is off by at most half a step of its row's scale
+    bound = 0.5 * hidden.abs().sum(-1, keepdim=True) * rows.scales[None, :]
+    assert (approx - exact).abs().le(bound + 1e-5).all()
+    assert torch.equal(approx.argmax(-1), exact.argmax(-1))
+    bias = torch.randn(300)
+    assert torch.allclose(DraftLMHead.quantized(weight, bias)(hidden), approx + bias)
+
+
+def test_draft_rows_are_built_once_and_rebuilt_when_the_weight_changes():
+    base = tiny_model("llama")
+    heads = CloverForCausalLM.from_base(base, draft_vocab_size=40).clover_heads
+    lm_head = base.get_output_embeddings()
+    first = heads.draft_lm_head(lm_head, int8=True)
+    assert heads.draft_lm_head(lm_head, int8=True) is first
+    with torch.no_grad():
+        lm_head.weight.mul_(2.0)
+    again = heads.draft_lm_head(lm_head, int8=True)
+    assert again is not first and torch.allclose(again.scales, 2 * first.scales)
+    assert heads.draft_lm_head(lm_head, int8=False).weight.dtype == torch.float32
+
+
+def test_int8_rows_only_where_the_kernel_takes_them():
+    assert DraftLMHead.int8_fits(torch.zeros(8, 576, dtype=torch.bfloat16))
+    assert not DraftLMHead.int8_fits(torch.zeros(8, 24, dtype=torch.bfloat16))  # the kernel tiles by 16
+    assert not DraftLMHead.int8_fits(torch.zeros(8, 64, dtype=torch.float16))
+    assert not DraftLMHead.int8_fits(torch.zeros(8, 64, dtype=torch.float32, device="meta"))
+    # heads without a draft vocabulary read the base's own lm_head, never a copy
+    base = tiny_model("llama")
+    heads = CloverForCausalLM.from_base(base).clover_heads
+    assert heads.draft_lm_head(base.get_output_embeddings(), int8=True).weight is base.get_output_embeddings().weight
