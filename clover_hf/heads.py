@@ -206,15 +206,16 @@ class DraftHeads(nn.Module):
         have a draft vocabulary and the kernel takes the hidden size. On a CPU, drafting reads these
         rows from memory at every depth of every step, their largest cost; int8 halves the read.
         Drafts may change slightly; what verification accepts does not. The rows are built once and
-        kept until the lm_head's weight changes.
+        kept until the lm_head's weight or the draft vocabulary changes.
         """
         weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
         if self.draft_token_ids is None:
             return DraftLMHead(weight, bias)
         int8 = int8 and DraftLMHead.int8_fits(weight)
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, int8)
+        ids = self.draft_token_ids
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, ids.data_ptr(), ids._version, int8)
         if self._lm_head_rows is None or self._lm_head_rows[0] != key:
-            ids = self.draft_token_ids.to(weight.device)
+            ids = ids.to(weight.device)
             rows, bias = weight.detach()[ids], None if bias is None else bias.detach()[ids]
             self._lm_head_rows = (key, DraftLMHead.quantized(rows, bias) if int8 else DraftLMHead(rows, bias))
         return self._lm_head_rows[1]

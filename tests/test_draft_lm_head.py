@@ -49,6 +49,10 @@ def test_draft_rows_are_built_once_and_rebuilt_when_the_weight_changes():
         lm_head.weight.mul_(2.0)
     again = heads.draft_lm_head(lm_head, int8=True)
     assert again is not first and torch.allclose(again.scales, 2 * first.scales)
+    with torch.no_grad():
+        heads.draft_token_ids.copy_(torch.arange(40) + 3)  # as training fills in its vocabulary
+    moved = heads.draft_lm_head(lm_head, int8=True)
+    assert moved is not again and torch.equal(moved.scales[:-3], again.scales[3:])
     assert heads.draft_lm_head(lm_head, int8=False).weight.dtype == torch.float32
 
 
