@@ -2,7 +2,7 @@
 
 from .config import DEFAULT_TREE, CloverConfig
 from .decoding import GenerationStats, clover_generate
-from .heads import CloverHeads, DraftHeads, MedusaHeads
+from .heads import CloverHeads, DraftHeads, DraftLMHead, MedusaHeads
 from .modeling import CloverForCausalLM
 from .tree import DynamicTree, build_tree
 
@@ -12,10 +12,11 @@ __all__ = [
     "CloverForCausalLM",
     "CloverHeads",
     "DraftHeads",
+    "DraftLMHead",
     "MedusaHeads",
     "GenerationStats",
     "build_tree",
     "DynamicTree",
     "clover_generate",
 ]
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -29,8 +29,11 @@ def _in_place(keep: torch.Tensor) -> int:
     """How many leading entries every row keeps where they are (offset i at i): those need no move.
 
     The root is always kept at offset 0, and a step that accepts the first drafted node keeps offset
-    1 too, so often nothing moves. One host sync; the caller's acceptance already synced this step.
+    1 too, so often nothing moves. Read on the CPU only: elsewhere the moves are queued without
+    waiting, and reading the offsets would be a host sync.
     """
+    if keep.device.type != "cpu":
+        return 0
     same = (keep == torch.arange(keep.shape[1], device=keep.device)).all(dim=0)
     return int(same.long().cumprod(0).sum())
 

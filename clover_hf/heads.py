@@ -7,6 +7,7 @@ model at run time and are passed in explicitly (`embed`, and the lm_head rows as
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -149,7 +150,7 @@ class OutputHead(nn.Module):
         return self.norm(s + F.silu(self.fc(torch.cat([s, e], dim=-1))))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DraftLMHead:
     """The base lm_head's rows that the heads draft from: logits = hidden @ weight.T (+ bias)."""
 
@@ -160,23 +161,40 @@ class DraftLMHead:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.scales is None:
             return F.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
-        x = hidden.to(self.scales.dtype)
-        out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight, self.scales)
-        out = out.view(*x.shape[:-1], -1)
+        x = hidden.to(self.scales.dtype).reshape(-1, hidden.shape[-1]).contiguous()
+        out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+        out = out.view(*hidden.shape[:-1], self.weight.shape[0])
         return out if self.bias is None else out + self.bias
 
     @staticmethod
     def int8_fits(weight: torch.Tensor) -> bool:
-        """Whether int8 rows serve this weight: on the CPU, whose int8 kernel tiles the hidden size by 16."""
-        return weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[1] % 16 == 0
+        """Whether int8 rows serve this weight: on the CPU, in fp32 or bf16, with a hidden size that is
+        a multiple of 16. With bf16 rows and other sizes the kernel gave wrong numbers or crashed
+        (torch 2.13, AVX-512 CPU; other builds were not checked)."""
+        cpu = weight.device.type == "cpu"
+        return cpu and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[1] % 16 == 0
 
     @classmethod
-    def quantized(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "DraftLMHead":
-        """Symmetric int8 rows, one scale per row (max |w| / 127)."""
+    def quantized(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> DraftLMHead:
+        """Symmetric int8 rows, one scale per row (max |w| / 127, rounded to the weight's dtype first)."""
         w = weight.float()
-        scales = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-        rows = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
-        return cls(rows, bias, scales.to(weight.dtype))
+        scales = (w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127).to(weight.dtype)
+        rows = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        return cls(rows, bias, scales)
+
+
+def _watch(t: torch.Tensor | None) -> tuple | None:
+    """What identifies a tensor's contents for a cache: the tensor (weakly), its storage and in-place version."""
+    if t is None:
+        return None
+    return weakref.ref(t), t.data_ptr(), t.dtype, t.device, None if t.is_inference() else t._version
+
+
+def _unchanged(watched: list[tuple | None], tensors: list[torch.Tensor | None]) -> bool:
+    for w, t in zip(watched, tensors):
+        if (w is None) != (t is None) or (t is not None and (w[0]() is not t or w[1:] != _watch(t)[1:])):
+            return False
+    return True
 
 
 class DraftHeads(nn.Module):
@@ -197,28 +215,30 @@ class DraftHeads(nn.Module):
             self.register_buffer("draft_token_ids", torch.arange(config.draft_vocab_size), persistent=True)
         else:
             self.draft_token_ids = None
-        self._lm_head_rows: tuple[tuple, DraftLMHead] | None = None  # (what they were built from, rows)
+        self._lm_head_rows: tuple[list, bool, DraftLMHead] | None = None  # (sources, int8, rows)
 
-    def draft_lm_head(self, lm_head: nn.Module, int8: bool = False) -> "DraftLMHead":
+    def draft_lm_head(self, lm_head: nn.Module, int8: bool = False) -> DraftLMHead:
         """The base lm_head restricted to the draft vocabulary (all rows without one).
 
         `int8=True` keeps the draft-vocabulary rows as int8 with a scale per row, where the heads
         have a draft vocabulary and the kernel takes the hidden size. On a CPU, drafting reads these
         rows from memory at every depth of every step, their largest cost; int8 halves the read.
-        Drafts may change slightly; what verification accepts does not. The rows are built once and
-        kept until the lm_head's weight or the draft vocabulary changes.
+        Drafts, and so the tokens accepted per step, may change slightly; the output does not (greedy
+        stays identical to the base's in fp32, sampling keeps its distribution). The rows are built
+        once and kept until the lm_head or the draft vocabulary changes.
         """
         weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
         if self.draft_token_ids is None:
             return DraftLMHead(weight, bias)
         int8 = int8 and DraftLMHead.int8_fits(weight)
-        ids = self.draft_token_ids
-        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device, ids.data_ptr(), ids._version, int8)
-        if self._lm_head_rows is None or self._lm_head_rows[0] != key:
-            ids = ids.to(weight.device)
+        sources = [weight, bias, self.draft_token_ids]
+        memo = self._lm_head_rows
+        if memo is None or memo[1] != int8 or not _unchanged(memo[0], sources):
+            ids = self.draft_token_ids.to(weight.device)
             rows, bias = weight.detach()[ids], None if bias is None else bias.detach()[ids]
-            self._lm_head_rows = (key, DraftLMHead.quantized(rows, bias) if int8 else DraftLMHead(rows, bias))
-        return self._lm_head_rows[1]
+            rows = DraftLMHead.quantized(rows, bias) if int8 else DraftLMHead(rows, bias)
+            self._lm_head_rows = ([_watch(t) for t in sources], int8, rows)
+        return self._lm_head_rows[2]
 
     def init_from_base(self, base_model: nn.Module) -> bool:
         """Copy what fits from the base into fresh heads; returns whether anything was copied."""

@@ -241,6 +241,7 @@ class CloverForCausalLM(nn.Module):
         tree: list[list[int]] | dict | None = None,
         lookup: int | None = None,
         lookup_max: int | None = None,
+        int8_draft: bool | None = None,
         **kwargs: Any,
     ) -> Any:
         """`generate` of the base, with greedy decoding and sampling run by Clover. Same arguments; the
@@ -249,7 +250,9 @@ class CloverForCausalLM(nn.Module):
         `tree` overrides the heads' draft tree for this call (Medusa paths, or a dynamic tree as
         `{"depth": 4, "width": 4, "nodes": 16}`), `lookup` the length of the prompt-lookup chain
         verified with it (0: heads only) and `lookup_max` the length the chain doubles up to after a
-        step that accepted all of it. Modes Clover does not run yet fall back
+        step that accepted all of it. `int8_draft` drafts from int8 copies of the draft vocabulary's
+        lm_head rows (default: on the CPU, where it makes drafting cheaper; the output is the same
+        either way). Modes Clover does not run yet fall back
         to the base's own `generate`, with a warning saying why.
         """
         if args:  # the base's positional arguments after generation_config (logits_processor, ...)
@@ -273,6 +276,7 @@ class CloverForCausalLM(nn.Module):
             clover_tree=tree,
             clover_lookup=lookup,
             clover_lookup_max=lookup_max,
+            clover_int8_draft=int8_draft,
             clover_streamer=streamer,
             clover_stats=stats,
             **kwargs,

@@ -46,12 +46,25 @@ def test_select_slots_gathers_per_row():
     assert cache.layers[1].values[:, 0, :, 0].tolist() == [[-1, -3], [-9, -5]]
 
 
-def test_compact_cache_moves_only_what_is_out_of_place():
+def test_compact_cache_moves_only_what_is_out_of_place(monkeypatch):
+    import clover_hf.cache as cache_module
+
+    assert cache_module._in_place(torch.tensor([[0, 1, 4]])) == 2
+    assert cache_module._in_place(torch.tensor([[0, 2, 3], [0, 4, 0]])) == 1  # every row must agree
+    assert cache_module._in_place(torch.tensor([[0, 1]])) == 2
+    moved = []
+    gather = cache_module._gather_slots
+    monkeypatch.setattr(cache_module, "_gather_slots", lambda t, index: moved.append(index.tolist()) or gather(t, index))
     # the root and the first drafted node stay at offsets 0 and 1; only offset 4 moves, to offset 2
-    cache, expected = _cache(batch=1, length=9), _cache(batch=1, length=9)
+    cache = _cache(batch=1, length=9)
     compact_cache(cache, 4, torch.tensor([[0, 1, 4]]))
-    assert cache.layers[0].keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4, 5, 8]
-    # nothing out of place: the block is cut after the kept entries
-    compact_cache(expected, 4, torch.tensor([[0, 1]]))
-    assert expected.layers[1].keys[0, 0, :, 0].tolist() == [1000 + v for v in range(6)]
-    assert torch.equal(expected.layers[1].values, -(expected.layers[1].keys - 1000))
+    assert moved == [[[8]]] * 4  # keys and values of both layers, one slot each
+    for layer, offset in zip(cache.layers, (0, 1000)):
+        assert layer.keys[0, 0, :, 0].tolist() == [offset + v for v in [0, 1, 2, 3, 4, 5, 8]]
+        assert torch.equal(layer.values, -(layer.keys - offset))
+    # nothing out of place: nothing moves and the block is cut after the kept entries
+    moved.clear()
+    cut = _cache(batch=1, length=9)
+    compact_cache(cut, 4, torch.tensor([[0, 1]]))
+    assert moved == []
+    assert cut.layers[1].keys[0, 0, :, 0].tolist() == [1000 + v for v in range(6)]
