@@ -237,7 +237,7 @@ def clover_generate(
     config's `accelerator_dynamic_tree` where it has one.
     `generate` does not hand its `streamer` to custom callables, so it arrives as `clover_streamer`.
     `clover_profile=True` records wall time per stage in `stats.stage_seconds`.
-    `clover_int8_draft` drafts from int8 lm_head rows (`DraftHeads.draft_lm_head`); default: on the CPU.
+    `clover_int8_draft` drafts from int8 lm_head rows (`DraftHeads.draft_lm_head`); default: on the CPU in bf16.
     """
     if clover_heads is None:
         raise ValueError("clover_generate needs clover_heads=CloverHeads(...) (or other DraftHeads)")
@@ -262,7 +262,7 @@ def clover_generate(
         raise ValueError(f"the tree is {depth} deep but the heads draft {heads.config.num_heads} tokens")
     stats = clover_stats if clover_stats is not None else GenerationStats()
     embed = model.get_input_embeddings()
-    int8 = device.type == "cpu" if clover_int8_draft is None else clover_int8_draft
+    int8 = device.type == "cpu" and model.dtype == torch.bfloat16 if clover_int8_draft is None else clover_int8_draft
     lm_head = heads.draft_lm_head(model.get_output_embeddings(), int8=int8)
     layout = MaskLayout.for_config(model.config)
     dtype = model.dtype

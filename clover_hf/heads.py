@@ -221,8 +221,9 @@ class DraftHeads(nn.Module):
         """The base lm_head restricted to the draft vocabulary (all rows without one).
 
         `int8=True` keeps the draft-vocabulary rows as int8 with a scale per row, where the heads
-        have a draft vocabulary and the kernel takes the hidden size. On a CPU, drafting reads these
-        rows from memory at every depth of every step, their largest cost; int8 halves the read.
+        have a draft vocabulary and the kernel takes the hidden size. On a CPU in bf16, drafting reads
+        these rows from memory at every depth of every step, their largest cost; int8 halves the read
+        (in fp32 the int8 kernel was no faster than the fp32 product, so decoding uses it in bf16).
         Drafts, and so the tokens accepted per step, may change slightly; the output does not (greedy
         stays identical to the base's in fp32, sampling keeps its distribution). The rows are built
         once and kept until the lm_head or the draft vocabulary changes.

@@ -251,8 +251,8 @@ class CloverForCausalLM(nn.Module):
         `{"depth": 4, "width": 4, "nodes": 16}`), `lookup` the length of the prompt-lookup chain
         verified with it (0: heads only) and `lookup_max` the length the chain doubles up to after a
         step that accepted all of it. `int8_draft` drafts from int8 copies of the draft vocabulary's
-        lm_head rows (default: on the CPU, where it makes drafting cheaper; the output is the same
-        either way). Modes Clover does not run yet fall back
+        lm_head rows (default: on the CPU in bf16, where it makes drafting cheaper; the output is the
+        same either way). Modes Clover does not run yet fall back
         to the base's own `generate`, with a warning saying why.
         """
         if args:  # the base's positional arguments after generation_config (logits_processor, ...)

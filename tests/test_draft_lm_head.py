@@ -22,8 +22,17 @@ def test_int8_draft_rows_keep_output_exact(int8, tree):
     out = clover.generate(ids, max_new_tokens=40, do_sample=False, tree=tree, **kwargs)
     assert same(out, ref)
     drafted_from = clover.clover_heads._lm_head_rows[-1]  # the rows this generate call drafted from
-    assert drafted_from.weight.dtype == (torch.float32 if int8 is False else torch.int8)  # None: int8 on the CPU
+    assert drafted_from.weight.dtype == (torch.int8 if int8 else torch.float32)  # None: int8 in bf16 only
     assert drafted_from.weight.shape == (40, base.config.hidden_size)
+
+
+def test_bf16_on_the_cpu_drafts_from_int8_rows_by_default():
+    base = tiny_model("llama", dtype=torch.bfloat16)
+    clover = CloverForCausalLM.from_base(base, draft_vocab_size=40)
+    clover.generate(prompt(23), max_new_tokens=12, do_sample=False)
+    assert clover.clover_heads._lm_head_rows[-1].weight.dtype == torch.int8
+    clover.generate(prompt(23), max_new_tokens=12, do_sample=False, int8_draft=False)
+    assert clover.clover_heads._lm_head_rows[-1].weight.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
