@@ -262,7 +262,9 @@ def clover_generate(
         raise ValueError(f"the tree is {depth} deep but the heads draft {heads.config.num_heads} tokens")
     stats = clover_stats if clover_stats is not None else GenerationStats()
     embed = model.get_input_embeddings()
-    int8 = device.type == "cpu" and model.dtype == torch.bfloat16 if clover_int8_draft is None else clover_int8_draft
+    int8 = clover_int8_draft
+    if int8 is None:  # by default only where it was measured to pay: the CPU in bf16
+        int8 = device.type == "cpu" and model.dtype == torch.bfloat16
     lm_head = heads.draft_lm_head(model.get_output_embeddings(), int8=int8)
     layout = MaskLayout.for_config(model.config)
     dtype = model.dtype
