@@ -1,5 +1,6 @@
 """clover_hf: Clover speculative decoding for Hugging Face causal language models."""
 
+from .budget import CostModel, DraftBudget
 from .config import DEFAULT_TREE, CloverConfig
 from .decoding import GenerationStats, clover_generate
 from .heads import CloverHeads, DraftHeads, DraftLMHead, MedusaHeads
@@ -11,6 +12,8 @@ __all__ = [
     "CloverConfig",
     "CloverForCausalLM",
     "CloverHeads",
+    "CostModel",
+    "DraftBudget",
     "DraftHeads",
     "DraftLMHead",
     "MedusaHeads",

@@ -17,9 +17,11 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .budget import CostModel, DraftBudget, choose_width, cost_key, likeliest, path_chances, prune
 from .cache import compact_cache, new_cache, select_rows, select_slots
+from .hardware import timed
 from .heads import AugmentCache, DraftHeads, DraftLMHead
-from .lookup import lookup_continuation
+from .lookup import lookup_match
 from .tree import DynamicTree, StepTree, TreeBuffers, build_tree, select_dynamic, with_chain
 from .verification import MaskLayout, accept_greedy, accept_sampled, process_tree_logits, sample_token
 
@@ -31,11 +33,19 @@ class GenerationStats:
     steps: int = 0
     new_tokens: int = 0
     accepted_lengths: list[int] = field(default_factory=list)  # drafted tokens accepted per verify step and row
+    verified_tokens: int = 0  # tokens verified (root included) over all verify steps and rows
+    head_drafts: int = 0  # verify steps whose tree the heads drafted (the others verified the lookup chain alone)
     stage_seconds: dict[str, float] = field(default_factory=dict)  # filled when profiling
 
     @property
     def tokens_per_step(self) -> float:
+        """New tokens per base forward; the prefill forward counts as a step (it yields the first token)."""
         return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def verified_per_step(self) -> float:
+        """Mean tokens verified per row and verify step: 1 is a plain decoding step."""
+        return self.verified_tokens / len(self.accepted_lengths) if self.accepted_lengths else 0.0
 
 
 class _Clock:
@@ -109,29 +119,59 @@ class _Row:
     next_pos: torch.Tensor  # () the root's position
     chain_len: int  # prompt-lookup chain length of the next step
     finished: bool
-    feature: torch.Tensor | None = None  # (H,) the heads' features at the last cached position
+    feature: torch.Tensor | None = None  # (H,) the heads' features at the last position they have seen
     aug_cache: AugmentCache | None = None
+    # (hidden, next-token embeddings, positions), each (1, T, ...), of positions the heads have not seen yet
+    pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
-def _stack_trees(drafts: list[tuple[torch.Tensor, TreeBuffers | StepTree]], rows: list[_Row]
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@dataclass
+class _Draft:
+    """One row's tree to verify: node tokens (N,) root first, their tree, and for the draft budget the
+    heads' probability of each node (N,) and which nodes are the lookup chain's (N,) (found by an
+    `ngram`-token match)."""
+
+    tokens: torch.Tensor
+    tree: TreeBuffers | StepTree
+    probs: torch.Tensor
+    is_chain: torch.Tensor
+    ngram: int
+
+    def keep(self, nodes: torch.Tensor) -> "_Draft":
+        """The draft cut to `nodes` (sorted, root first, closed under parents)."""
+        tree = prune(self.tree.parents, self.tree.depths, nodes)
+        nodes = nodes.to(self.tokens.device)
+        return _Draft(self.tokens[nodes], tree, self.probs[nodes], self.is_chain[nodes], self.ngram)
+
+
+def _catch_up(heads: DraftHeads, row: _Row) -> None:
+    """Run the heads' features (the Augmenting Block) over the positions accepted since they last
+    drafted: steps that verify without the heads defer this work to the next step that drafts."""
+    if row.pending:
+        hidden, embeds, positions = (torch.cat(parts, dim=1) for parts in zip(*row.pending))
+        features, row.aug_cache = heads.features(hidden, embeds, positions, cache=row.aug_cache)
+        row.feature = features[0, -1]
+        row.pending = []
+
+
+def _stack_trees(drafts: list[_Draft], rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One (B, N) forward's tokens, positions and (B, N, N) attention among new tokens.
 
     Smaller trees are padded with filler nodes that only see themselves and are never accepted.
     """
     if len(drafts) == 1:
-        tokens, tree = drafts[0]
+        tokens, tree = drafts[0].tokens, drafts[0].tree
         return tokens[None], (rows[0].next_pos + tree.depths)[None], tree.ancestors[None]
-    width = max(tokens.shape[0] for tokens, _ in drafts)
+    width = max(d.tokens.shape[0] for d in drafts)
     device = rows[0].next_pos.device
     ids = torch.stack([row.root.expand(width) for row in rows]).clone()
     positions = torch.stack([row.next_pos.expand(width) for row in rows]).clone()
     allowed = torch.eye(width, dtype=torch.bool, device=device).repeat(len(rows), 1, 1)
-    for b, ((tokens, tree), row) in enumerate(zip(drafts, rows)):
-        n = tokens.shape[0]
-        ids[b, :n] = tokens
-        positions[b, :n] = row.next_pos + tree.depths
-        allowed[b, :n, :n] = tree.ancestors
+    for b, (draft, row) in enumerate(zip(drafts, rows)):
+        n = draft.tokens.shape[0]
+        ids[b, :n] = draft.tokens
+        positions[b, :n] = row.next_pos + draft.tree.depths
+        allowed[b, :n, :n] = draft.tree.ancestors
     return ids, positions, allowed
 
 
@@ -145,31 +185,96 @@ def _tree_spec(tree: list[list[int]] | DynamicTree | dict | None, config, device
     return DynamicTree(**tree) if isinstance(tree, dict) else tree
 
 
-def _draft_tree(heads: DraftHeads, feature, root, spec, trees, chain, embed, lm_head: DraftLMHead
-                ) -> tuple[torch.Tensor, TreeBuffers | StepTree]:
-    """This step's node tokens (root first) and the tree that verifies them."""
+def _draft_tree(heads: DraftHeads, feature, root, spec, trees, chain, ngram: int, embed, lm_head: DraftLMHead
+                ) -> _Draft:
+    """This step's tree drafted by the heads, with the lookup chain below its root."""
     if trees is not None:
-        drafted = heads.draft(feature, root, trees[0], embed, lm_head)
+        drafted, probs = heads.draft(feature, root, trees[0], embed, lm_head)
         tree = trees[chain.shape[0]]
-        return tree.assemble(root, drafted, chain), tree
-    candidates = heads.draft_dynamic(feature, root, spec.depth, spec.width, embed, lm_head)
-    drafted, parents, depths = select_dynamic(*candidates, spec.nodes)
+        node_probs = probs.new_ones(tree.num_nodes)
+        node_probs[tree.draft_nodes] = probs
+        is_chain = torch.zeros(tree.num_nodes, dtype=torch.bool, device=root.device)
+        is_chain[tree.lookup_nodes] = True
+        return _Draft(tree.assemble(root, drafted, chain), tree, node_probs, is_chain, ngram)
+    tokens, parents, depths, scores = heads.draft_dynamic(feature, root, spec.depth, spec.width, embed, lm_head)
+    probs = (scores - torch.cat([scores.new_zeros(1), scores])[parents]).exp()  # each node's own, given its parent
+    drafted, parents, depths, probs = select_dynamic(tokens, parents, depths, scores, spec.nodes, probs)
     zero = parents.new_zeros(1)
     tokens, parents, depths = torch.cat([root.view(1), drafted]), torch.cat([zero, parents]), torch.cat([zero, depths])
+    probs = torch.cat([probs.new_ones(1), probs])
+    is_chain = torch.zeros_like(tokens, dtype=torch.bool)
     if chain.numel():
-        tokens, parents, depths = with_chain(tokens, parents, depths, chain)
-    return tokens, StepTree.from_parents(parents, depths, max(spec.depth, chain.shape[0]))
+        tokens, parents, depths, probs, is_chain = with_chain(
+            tokens, parents, depths, chain, (probs, probs.new_ones(chain.shape[0])),
+            (is_chain, torch.ones_like(chain, dtype=torch.bool)))
+    return _Draft(tokens, StepTree.from_parents(parents, depths, max(spec.depth, chain.shape[0])), probs, is_chain, ngram)
 
 
-def _no_deeper(tokens: torch.Tensor, tree: TreeBuffers | StepTree, depth: int
-               ) -> tuple[torch.Tensor, TreeBuffers | StepTree]:
+def _chain_tree(root: torch.Tensor, chain: torch.Tensor, ngram: int) -> _Draft:
+    """The root and the lookup chain alone: a step that does not draft with the heads."""
+    n = chain.shape[0] + 1
+    depths = torch.arange(n, device=root.device)
+    tree = StepTree.from_parents((depths - 1).clamp(min=0), depths, n - 1)
+    is_chain = depths > 0
+    return _Draft(torch.cat([root.view(1), chain]), tree, is_chain.float(), is_chain, ngram)
+
+
+def _no_deeper(draft: _Draft, depth: int) -> _Draft:
     """The part of a drafted tree at most `depth` below the root: near `max_length` deeper nodes could
     not be emitted, and their positions may lie past what the model embeds. Nodes are sorted by
     depth, so the part is a prefix."""
-    if tree.max_depth <= depth:
-        return tokens, tree
-    n = int((tree.depths <= depth).sum())
-    return tokens[:n], StepTree.from_parents(tree.parents[:n], tree.depths[:n], depth)
+    if draft.tree.max_depth <= depth:
+        return draft
+    n = int((draft.tree.depths <= depth).sum())
+    return _Draft(draft.tokens[:n], StepTree.from_parents(draft.tree.parents[:n], draft.tree.depths[:n], depth),
+                  draft.probs[:n], draft.is_chain[:n], draft.ngram)
+
+
+def _choose_nodes(drafts: list[_Draft], acceptance, costs: CostModel, gate, draft_ms: float | None
+                  ) -> tuple[list[_Draft], list[torch.Tensor]]:
+    """Cut each row's draft to the nodes that pay: the width with the most expected tokens per
+    millisecond under `costs`, each row keeping its likeliest nodes. Returns the cut drafts and each
+    node's acceptance bucket (on the CPU). When the heads drafted (`draft_ms` given), tells `gate`
+    how that compared with the lookup chain alone."""
+    buckets, chances = [], []
+    for d in drafts:
+        b = acceptance.buckets(d.tree.depths, d.probs, d.is_chain, d.ngram).cpu()  # the step's one host sync
+        buckets.append(b)
+        chances.append(path_chances(acceptance.rates(b), d.tree.ancestors.cpu())[1:])
+    width, tokens, ms = choose_width(chances, costs)
+    if draft_ms is not None:
+        chain_only = [c * d.is_chain[1:].cpu() for c, d in zip(chances, drafts)]
+        _, chain_tokens, chain_ms = choose_width(chain_only, costs)
+        gate.record(draft_ms, tokens, ms, chain_tokens / chain_ms)
+    cut, cut_buckets = [], []
+    for d, b, c in zip(drafts, buckets, chances):
+        if width >= d.tokens.shape[0]:
+            cut.append(d)
+            cut_buckets.append(b)
+            continue
+        nodes = likeliest(c, width)
+        cut.append(d.keep(nodes))
+        cut_buckets.append(b[nodes])
+    return cut, cut_buckets
+
+
+def _measure_verify(model: PreTrainedModel, cache, positions: torch.Tensor, layout: "MaskLayout",
+                    token: torch.Tensor):
+    """`measure(width) -> ms`: the time of one forward of `width` tokens per row over the cache as it
+    is, which is then cut back. Calibrates the draft budget's cost model."""
+    rows, past_len = positions.shape
+    device = positions.device
+    last = positions.max(dim=1, keepdim=True).values  # a position every model embeds: one it already has
+
+    def measure(width: int) -> float:
+        new_pos = last.expand(rows, width)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(rows, -1, -1)
+        mask = layout.build(positions, new_pos, causal, model.dtype)
+        _, seconds = timed(lambda: _base_forward(model, token.expand(rows, width), mask, new_pos, cache), device)
+        compact_cache(cache, past_len, new_pos[:, :0])
+        return 1000 * seconds
+
+    return measure
 
 
 @contextlib.contextmanager
@@ -222,6 +327,8 @@ def clover_generate(
     clover_stats: GenerationStats | None = None,
     clover_profile: bool = False,
     clover_int8_draft: bool | None = None,
+    clover_budget: DraftBudget | None = None,
+    clover_calibrate: bool | None = None,
     **model_kwargs,
 ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
     """Clover decoding (greedy or sampling); the signature is transformers' `custom_generate` contract.
@@ -235,6 +342,10 @@ def clover_generate(
     chain length) and `clover_lookup_max` (the length a chain may grow to while the text keeps
     copying) default to the heads' config; off the CPU, at batch size 1, the tree defaults to the
     config's `accelerator_dynamic_tree` where it has one.
+    `clover_budget` (a `DraftBudget`) verifies, each step, only the nodes that pay on this machine,
+    and drafts with the heads only while that pays; None verifies the whole tree every step.
+    `clover_calibrate` (None: when this machine's costs are not known yet; True: again; False: never)
+    times a few verify forwards first.
     `generate` does not hand its `streamer` to custom callables, so it arrives as `clover_streamer`.
     `clover_profile=True` records wall time per stage in `stats.stage_seconds`.
     `clover_int8_draft` drafts from int8 lm_head rows (`DraftHeads.draft_lm_head`); default: on the CPU in bf16.
@@ -270,7 +381,7 @@ def clover_generate(
     dtype = model.dtype
     sample = bool(generation_config.do_sample)
 
-    # Prefill: the prompts through the base, then each row's hidden states through the Augmenting Block.
+    # Prefill: the prompts through the base; each row's hidden states wait for the heads' first draft.
     attention_mask = model_kwargs.get("attention_mask")
     attention_mask = None if attention_mask is None else attention_mask.to(device)
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
@@ -294,24 +405,48 @@ def clover_generate(
         if not finished:
             cols = slice(None) if attention_mask is None else valid[b]
             text = torch.cat([input_ids[b, cols][1:], root.view(1)])
-            features, row.aug_cache = heads.features(hidden[b, cols][None], embed(text)[None], positions[b, cols][None])
-            row.feature = features[0, -1]
+            row.pending.append((hidden[b, cols][None], embed(text)[None], positions[b, cols][None]))
         rows.append(row)
     active, positions = _drop_finished(rows, cache, positions)
 
+    # The draft budget: this machine's verify costs (measured now if unknown) and calibrated acceptance.
+    costs = acceptance = key = None
+    if clover_budget is not None and active:
+        widest = (trees[-1].num_nodes if trees is not None else spec.nodes + lookup_max + 1)
+        key = cost_key(model, device)
+        measure = _measure_verify(model, cache, positions, layout, active[0].root)
+        costs = clover_budget.costs(key, len(active), widest, measure, clover_calibrate)
+        acceptance = clover_budget.acceptance(sample, depth, lookup_max)
+    budgeted = costs is not None
+
     clock = _Clock(stats.stage_seconds if clover_profile else None, device)
     while active:
-        # Draft a tree per row, then verify all of them in one forward over the cache.
+        # Draft a tree per row (with the heads, or the lookup chain alone), cut it to what pays,
+        # then verify all rows in one forward over the cache.
+        started = time.perf_counter()
+        with_heads = not budgeted or clover_budget.gate.drafting()
         drafts, chains = [], []
         for row in active:
             text = row.emitter.input_ids[0, row.start :]
             depth_left = generation_config.max_length - row.emitter.input_ids.shape[1] - 1  # after the bonus token
-            chain_len = min(row.chain_len, depth_left)
-            chain = lookup_continuation(text, chain_len) if chain_len > 0 else row.root.new_empty(0)
-            tokens, tree = _draft_tree(heads, row.feature, row.root, spec, trees, chain, embed, lm_head)
-            drafts.append(_no_deeper(tokens, tree, depth_left))
+            chain_len = min(lookup_max if budgeted else row.chain_len, depth_left)
+            chain, ngram = lookup_match(text, chain_len) if chain_len > 0 else (row.root.new_empty(0), 0)
+            if with_heads:
+                _catch_up(heads, row)
+                draft = _draft_tree(heads, row.feature, row.root, spec, trees, chain, ngram, embed, lm_head)
+            else:
+                draft = _chain_tree(row.root, chain, ngram)
+            drafts.append(_no_deeper(draft, depth_left))
             chains.append(chain)
+        stats.head_drafts += with_heads
         clock.lap("draft")
+        if budgeted:
+            draft_ms = None
+            if with_heads:
+                draft_ms = costs.draft_ms if costs.draft_ms is not None else 1000 * (time.perf_counter() - started)
+            drafts, buckets = _choose_nodes(drafts, acceptance, costs, clover_budget.gate, draft_ms)
+            clock.lap("choose")
+        verify_started = time.perf_counter()
         past_len = positions.shape[1]
         ids, node_pos, allowed = _stack_trees(drafts, active)
         mask = layout.build(positions, node_pos, allowed, dtype)
@@ -319,7 +454,8 @@ def clover_generate(
         stats.steps += 1
         clock.lap("verify forward")
         accepted = []
-        for b, (row, (tokens, tree)) in enumerate(zip(active, drafts)):
+        for b, (row, draft) in enumerate(zip(active, drafts)):
+            tokens, tree = draft.tokens, draft.tree
             n = tokens.shape[0]
             scores = process_tree_logits(logits[b, :n], row.emitter.input_ids, tokens, tree, logits_processor)
             if sample:
@@ -328,13 +464,18 @@ def clover_generate(
             else:
                 nodes, bonus = accept_greedy(tokens, scores.argmax(-1), tree)
             stats.accepted_lengths.append(nodes.shape[0] - 1)
+            stats.verified_tokens += n
+            if budgeted:
+                on_path = torch.zeros(n, dtype=torch.bool)
+                on_path[nodes.cpu()] = True
+                acceptance.observe(buckets[b], on_path[tree.parents.cpu()], on_path)
             accepted.append((nodes, bonus, scores))
         clock.lap("accept")
 
         # Emit each row's accepted drafts and bonus token; each was scored at its parent node.
         news, kept = [], []
-        for b, (row, (tokens, _), chain, (nodes, bonus, scores)) in enumerate(zip(active, drafts, chains, accepted)):
-            new = torch.cat([tokens[nodes[1:]], bonus.view(1)])
+        for b, (row, draft, chain, (nodes, bonus, scores)) in enumerate(zip(active, drafts, chains, accepted)):
+            new = torch.cat([draft.tokens[nodes[1:]], bonus.view(1)])
             n, row.finished = row.emitter.emit(new, scores[nodes], logits[b, nodes])
             kept.append(nodes[:n])  # the cache holds every emitted token but the last
             row.next_pos = row.next_pos + n
@@ -347,15 +488,15 @@ def clover_generate(
         if len(active) > 1:
             positions = _repack(cache, positions)
         clock.lap("emit + compact")
+        if budgeted and clover_budget.fixed is None:
+            costs.observe(len(active), ids.shape[1], 1000 * (time.perf_counter() - verify_started))
         for b, (row, (nodes, _, _), new) in enumerate(zip(active, accepted, news)):
             if not row.finished:
-                features, row.aug_cache = heads.features(
-                    hidden[b, nodes][None], embed(new)[None], node_pos[b, nodes][None], cache=row.aug_cache
-                )
-                row.feature = features[0, -1]
-        clock.lap("augment")
+                row.pending.append((hidden[b, nodes][None], embed(new)[None], node_pos[b, nodes][None]))
         active, positions = _drop_finished(active, cache, positions)
 
+    if budgeted:
+        clover_budget.save(key)
     if streamer is not None:
         streamer.end()
     sequences = _pad_rows([row.emitter.input_ids[0] for row in rows], generation_config).to(caller_device)

@@ -305,23 +305,23 @@ class CloverHeads(DraftHeads):
         tree: "TreeBuffers",
         embed: nn.Module,
         lm_head: DraftLMHead,
-    ) -> torch.Tensor:
-        """Draft the tree's tokens (num_nodes - 1,), one batched step per depth."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft the tree's tokens (num_nodes - 1,), one batched step per depth, and the heads'
+        probability of each token at its parent (num_nodes - 1,)."""
         states = feature.view(1, -1)
         e = embed(root.view(1)).to(states.dtype)
-        drafted = []
+        drafted, probs = [], []
         for d, level in enumerate(tree.levels):
             if d > 0:
                 states = self.regressive(states[level.parent_of_expanded], e)
-            logits = lm_head(self.heads[d](states, e))
-            top = logits.topk(level.k, dim=-1).indices  # (n_expanded, k)
-            if self.draft_token_ids is not None:
-                top = self.draft_token_ids[top]
-            children = top[level.child_parent, level.child_rank]  # (n_level,)
+            top = lm_head(self.heads[d](states, e)).float().softmax(-1).topk(level.k, dim=-1)  # (n_expanded, k)
+            ids = top.indices if self.draft_token_ids is None else self.draft_token_ids[top.indices]
+            children = ids[level.child_parent, level.child_rank]  # (n_level,)
             drafted.append(children)
+            probs.append(top.values[level.child_parent, level.child_rank])
             if level.next_expanded is not None:
                 e = embed(children[level.next_expanded]).to(states.dtype)
-        return torch.cat(drafted)
+        return torch.cat(drafted), torch.cat(probs)
 
     @torch.no_grad()
     def draft_dynamic(
@@ -449,18 +449,19 @@ class MedusaHeads(DraftHeads):
         tree: "TreeBuffers",
         embed: nn.Module,
         lm_head: DraftLMHead,
-    ) -> torch.Tensor:
-        """Draft the tree's tokens (num_nodes - 1,): the node of rank r at depth d is head d's r-th token."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft the tree's tokens (num_nodes - 1,): the node of rank r at depth d is head d's r-th
+        token; and each token's probability under its head (num_nodes - 1,)."""
         depth = len(tree.levels)
         states = torch.stack([head(feature) for head in self.heads[:depth]])  # (D, H)
-        logits = lm_head(states)
-        drafted = []
+        probs = lm_head(states).float().softmax(-1)
+        drafted, chances = [], []
         for d, level in enumerate(tree.levels):
-            top = logits[d].topk(level.k).indices
-            if self.draft_token_ids is not None:
-                top = self.draft_token_ids[top]
-            drafted.append(top[level.child_rank])
-        return torch.cat(drafted)
+            top = probs[d].topk(level.k)
+            ids = top.indices if self.draft_token_ids is None else self.draft_token_ids[top.indices]
+            drafted.append(ids[level.child_rank])
+            chances.append(top.values[level.child_rank])
+        return torch.cat(drafted), torch.cat(chances)
 
 
 def build_heads(config: CloverConfig) -> DraftHeads:

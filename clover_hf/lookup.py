@@ -16,6 +16,12 @@ def lookup_continuation(ids: torch.Tensor, num_tokens: int, max_ngram: int = 3) 
     recent one with `num_tokens` tokens after it, else the earliest. Empty when nothing matches.
     ids: (L,) token ids, the newest last.
     """
+    return lookup_match(ids, num_tokens, max_ngram)[0]
+
+
+def lookup_match(ids: torch.Tensor, num_tokens: int, max_ngram: int = 3) -> tuple[torch.Tensor, int]:
+    """`lookup_continuation`'s tokens and the length n of the n-gram that found them (0: none found).
+    Longer matches are likelier to go on copying, so the draft budget weighs chains by it."""
     length = ids.shape[0]
     for n in range(min(max_ngram, length - 1), 0, -1):
         windows = ids[: length - 1].unfold(0, n, 1)  # every earlier n-gram with a token after it
@@ -24,5 +30,5 @@ def lookup_continuation(ids: torch.Tensor, num_tokens: int, max_ngram: int = 3) 
             continue
         full = starts[starts + n + num_tokens <= length]
         start = int(full[-1] if full.numel() else starts[0]) + n
-        return ids[start : start + num_tokens]
-    return ids[:0]
+        return ids[start : start + num_tokens], n
+    return ids[:0], 0

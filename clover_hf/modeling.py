@@ -18,6 +18,7 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from .card import write_model_card
 from .config import CloverConfig
+from .budget import CostModel, DraftBudget
 from .decoding import GenerationStats, clover_generate
 from .heads import DraftHeads, build_heads
 from .hub import HEADS_FILES, is_heads_dir, load_heads, resolve_heads, save_heads
@@ -92,6 +93,9 @@ class CloverForCausalLM(nn.Module):
         self.base_model = base_model
         self.clover_heads = heads
         self.generation_stats: GenerationStats | None = None
+        # "auto": each step verifies what pays on this machine (see `generate`); "full": the whole tree
+        self.budget: str | CostModel | DraftBudget = "auto"
+        self._draft_budget = DraftBudget()  # what "auto" learns across calls: verify costs, acceptance
 
     @property
     def clover_config(self) -> CloverConfig:
@@ -242,10 +246,21 @@ class CloverForCausalLM(nn.Module):
         lookup: int | None = None,
         lookup_max: int | None = None,
         int8_draft: bool | None = None,
+        budget: str | CostModel | DraftBudget | None = None,
+        calibrate: bool | None = None,
         **kwargs: Any,
     ) -> Any:
         """`generate` of the base, with greedy decoding and sampling run by Clover. Same arguments; the
         same output when greedy, the same distribution of outputs when sampling.
+
+        `budget` (default: `model.budget`, "auto") chooses what each step verifies. "auto": the drafted
+        nodes with the most expected tokens per second on this machine, from none (a plain decoding
+        step, and no drafting while the heads do not pay) to the whole tree, from a cost model of the
+        verify forward measured here and acceptance calibrated as decoding goes. "full": the whole
+        tree every step. A `CostModel` fixes the costs (nothing is measured). The first "auto" call on
+        a new (base, dtype, device, threads, CPU) times a few forwards, a few seconds, and keeps the
+        costs in the user cache ($CLOVER_HF_CACHE or ~/.cache/clover_hf); `calibrate=True` measures
+        again, `calibrate=False` never measures (without stored costs the whole tree is verified).
 
         `tree` overrides the heads' draft tree for this call (Medusa paths, or a dynamic tree as
         `{"depth": 4, "width": 4, "nodes": 16}`), `lookup` the length of the prompt-lookup chain
@@ -257,6 +272,7 @@ class CloverForCausalLM(nn.Module):
         """
         if args:  # the base's positional arguments after generation_config (logits_processor, ...)
             kwargs.update(zip(list(inspect.signature(GenerationMixin.generate).parameters)[3:], args))
+        draft_budget = self._resolve_budget(self.budget if budget is None else budget)
         config = self._resolved_config(generation_config, kwargs)
         reason = self._unsupported_reason(inputs, config, kwargs)
         if reason is not None:
@@ -277,12 +293,25 @@ class CloverForCausalLM(nn.Module):
             clover_lookup=lookup,
             clover_lookup_max=lookup_max,
             clover_int8_draft=int8_draft,
+            clover_budget=draft_budget,
+            clover_calibrate=calibrate,
             clover_streamer=streamer,
             clover_stats=stats,
             **kwargs,
         )
         self.generation_stats = stats
         return out
+
+    def _resolve_budget(self, budget: str | CostModel | DraftBudget) -> DraftBudget | None:
+        if isinstance(budget, DraftBudget):
+            return budget
+        if isinstance(budget, CostModel):
+            return DraftBudget(costs=budget)
+        if budget == "auto":
+            return self._draft_budget
+        if budget == "full":
+            return None
+        raise ValueError(f"budget must be 'auto', 'full', a CostModel or a DraftBudget, got {budget!r}")
 
     def _resolved_config(self, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
         """The config `generate` will run with: the call's config and keywords over the model's defaults."""

@@ -213,23 +213,30 @@ class StepTree:
 
 
 def select_dynamic(
-    tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor, nodes: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor, nodes: int,
+    *extras: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
     """Keep the `nodes` likeliest drafted candidates (a prefix-closed set) and renumber them.
 
     Candidates come in drafting order (by depth); `parents` index candidates + 1 (0 is the root) and
     `scores` are path log-probabilities, never higher than the parent's, so a stable sort keeps every
-    kept node's parent. Returns (tokens, parents, depths) of the kept nodes, root excluded, by depth.
+    kept node's parent. Returns (tokens, parents, depths) of the kept nodes, root excluded, by depth,
+    then each of `extras` (other per-candidate values) at the kept nodes.
     """
     order = scores.sort(descending=True, stable=True).indices[:nodes]
     kept = order.sort().values  # drafting order is depth order
     new_index = torch.zeros(tokens.shape[0] + 1, dtype=torch.long, device=tokens.device)
     new_index[kept + 1] = torch.arange(1, kept.shape[0] + 1, device=tokens.device)
-    return tokens[kept], new_index[parents[kept]], depths[kept]
+    return (tokens[kept], new_index[parents[kept]], depths[kept], *(extra[kept] for extra in extras))
 
 
-def with_chain(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, chain: torch.Tensor):
-    """Append a lookup chain below the root and re-sort all nodes by depth (root included, first)."""
+def with_chain(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, chain: torch.Tensor,
+               *extras: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Append a lookup chain below the root and re-sort all nodes by depth (root included, first).
+
+    Each of `extras` is a pair (per-node values of the tree, the chain's values) that is joined and
+    re-sorted the same way; returns tokens, parents, depths, then each joined extra.
+    """
     n, m = tokens.shape[0], chain.shape[0]
     device = tokens.device
     steps = torch.arange(m, device=device)
@@ -239,4 +246,5 @@ def with_chain(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor
     order = depths.sort(stable=True).indices
     position = torch.empty_like(order)
     position[order] = torch.arange(n + m, device=device)
-    return tokens[order], position[parents[order]], depths[order]
+    joined = tuple(torch.cat(pair)[order] for pair in extras)
+    return (tokens[order], position[parents[order]], depths[order], *joined)

@@ -7,6 +7,18 @@ import torch
 pytest_plugins = ["tests.conftest_hub"]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def user_cache(tmp_path_factory):
+    """Keep what decoding stores in the user cache (measured verify costs) out of the real one."""
+    old = os.environ.get("CLOVER_HF_CACHE")
+    os.environ["CLOVER_HF_CACHE"] = str(tmp_path_factory.mktemp("user_cache"))
+    yield
+    if old is None:
+        del os.environ["CLOVER_HF_CACHE"]
+    else:
+        os.environ["CLOVER_HF_CACHE"] = old
+
+
 @pytest.fixture(scope="session")
 def cache_root(tmp_path_factory) -> Path:
     """Where the embedded model is converted (once per session; CLOVER_HF_TEST_CACHE reuses one)."""

@@ -72,6 +72,7 @@ def test_lookup_chain_grows_while_the_text_copies(arch):
     ids = prompt(2)
     ref = base.generate(ids, max_new_tokens=60, do_sample=False)
     clover = CloverForCausalLM.from_base(base, lookup_tokens=2)
+    clover.budget = "full"  # the chain's own growth rule, without a budget cutting it
     fixed = clover.generate(ids, max_new_tokens=60, do_sample=False)
     fixed_stats = clover.generation_stats
     grown = clover.generate(ids, max_new_tokens=60, do_sample=False, lookup_max=16)
@@ -82,7 +83,7 @@ def test_lookup_chain_grows_while_the_text_copies(arch):
     assert stats.steps < fixed_stats.steps
     # from the config too, and with sampling at top_k=1 (the greedy output)
     clover = CloverForCausalLM.from_base(base, lookup_tokens=2, lookup_max_tokens=16)
-    assert same(clover.generate(ids, max_new_tokens=60, do_sample=True, top_k=1), ref)
+    assert same(clover.generate(ids, max_new_tokens=60, do_sample=True, top_k=1, budget="full"), ref)
     assert clover.generation_stats.steps == stats.steps  # repeats of drafted paths merged: no chain lost
 
 

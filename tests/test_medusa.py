@@ -68,15 +68,16 @@ def test_medusa_draft_takes_each_depths_top_k_whatever_the_parent():
     feature = torch.randn(base.config.hidden_size)
     embed = base.get_input_embeddings()
     lm_head = heads.draft_lm_head(base.get_output_embeddings())
-    drafted = heads.draft(feature, torch.tensor(5), tree, embed, lm_head)
-    by_path = dict(zip(tree.paths, drafted.tolist()))
-    ranked = [heads.draft_token_ids[lm_head(head(feature)).topk(2).indices].tolist()
-              for head in heads.heads[:3]]  # each head's top-2, as base-vocabulary ids
-    for path, token in by_path.items():
+    drafted, probs = heads.draft(feature, torch.tensor(5), tree, embed, lm_head)
+    by_path = dict(zip(tree.paths, zip(drafted.tolist(), probs.tolist())))
+    tops = [lm_head(head(feature)).float().softmax(-1).topk(2) for head in heads.heads[:3]]
+    ranked = [heads.draft_token_ids[top.indices].tolist() for top in tops]  # each head's top-2, as base ids
+    for path, (token, prob) in by_path.items():
         assert token == ranked[len(path) - 1][path[-1]], path  # the rank-th token of head depth-1
+        assert prob == pytest.approx(tops[len(path) - 1].values[path[-1]].item())  # and its probability
     assert by_path[(0, 0)] == by_path[(1, 0)] and by_path[(0, 0, 0)] == by_path[(1, 1, 0)]
     # Medusa's heads never see the root: another root drafts the same tree
-    assert torch.equal(drafted, heads.draft(feature, torch.tensor(9), tree, embed, lm_head))
+    assert torch.equal(drafted, heads.draft(feature, torch.tensor(9), tree, embed, lm_head)[0])
 
 
 def test_medusa_heads_learn_the_tokens_they_draft(tmp_path):

@@ -51,7 +51,7 @@ def test_save_load_round_trip_writes_heads_only(base, tmp_path):
     (tmp_path / "heads" / "config.json").write_text(json.dumps(config))
 
     ids = prompt(2)
-    expected = clover.generate(ids, max_new_tokens=20, do_sample=False)
+    expected = clover.generate(ids, max_new_tokens=20, do_sample=False, budget="full")  # whole trees: steps match
     loaded = [
         CloverForCausalLM.from_pretrained(tmp_path / "heads"),  # base named by the heads
         CloverForCausalLM.from_pretrained(tmp_path / "heads", base_model=base),
@@ -61,7 +61,7 @@ def test_save_load_round_trip_writes_heads_only(base, tmp_path):
     for model in loaded:
         for name, tensor in clover.clover_heads.state_dict().items():
             torch.testing.assert_close(model.clover_heads.state_dict()[name], tensor, rtol=0, atol=0)
-        assert torch.equal(model.generate(ids, max_new_tokens=20, do_sample=False), expected)
+        assert torch.equal(model.generate(ids, max_new_tokens=20, do_sample=False, budget="full"), expected)
         assert model.generation_stats.tokens_per_step == pytest.approx(clover.generation_stats.tokens_per_step)
 
 

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from clover_hf import CloverForCausalLM
+from clover_hf import CloverForCausalLM, CostModel
 from clover_hf.tree import build_tree
 from clover_hf.verification import accept_sampled, process_tree_logits, sample_token
 
@@ -129,22 +129,29 @@ def test_top_k_1_sampling_is_greedy(arch, drafting):
     clover = CloverForCausalLM.from_base(base)
     ids = prompt(2)
     ref = base.generate(ids, max_new_tokens=40, do_sample=False)
-    out = clover.generate(ids, max_new_tokens=40, do_sample=True, top_k=1, **DRAFTING[drafting])
+    # the whole tree every step: a per-step budget may verify other nodes in each mode
+    out = clover.generate(ids, max_new_tokens=40, do_sample=True, top_k=1, budget="full", **DRAFTING[drafting])
     assert same(out, ref)
     assert clover.generation_stats is not None  # ran through Clover, no fallback
     sampled_steps = clover.generation_stats.steps
-    clover.generate(ids, max_new_tokens=40, do_sample=False, **DRAFTING[drafting])
+    assert same(clover.generate(ids, max_new_tokens=40, do_sample=True, top_k=1, **DRAFTING[drafting]), ref)
+    clover.generate(ids, max_new_tokens=40, do_sample=False, budget="full", **DRAFTING[drafting])
     assert sampled_steps == clover.generation_stats.steps  # one-hot targets accept what greedy accepts
 
 
-def test_sampling_is_reproducible_with_the_seed():
+@pytest.mark.parametrize("budget", ["full", "fixed costs"])
+def test_sampling_is_reproducible_with_the_seed(budget):
+    """With the whole tree, or a budget whose costs are fixed, the seed fixes the output. (Under "auto"
+    the nodes verified follow this machine's timing, so runs may differ; each is still an exact sample.)"""
     base = tiny_model("llama")
-    clover = CloverForCausalLM.from_base(base)
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
+    if budget == "fixed costs":
+        budget = CostModel.from_function(lambda rows, width: 10 + width, draft_ms=1.0)
     ids = prompt(4)
     runs = []
     for seed in (0, 0, 1):
         torch.manual_seed(seed)
-        runs.append(clover.generate(ids, max_new_tokens=30, do_sample=True, temperature=1.0))
+        runs.append(clover.generate(ids, max_new_tokens=30, do_sample=True, temperature=1.0, budget=budget))
     assert same(runs[0], runs[1]) and not same(runs[0], runs[2])
 
 

@@ -35,7 +35,7 @@ def test_shipped_heads_are_exact_and_accept_long_paths(converted):
         for question in mtbench_questions()[:3]:
             ids = _chat(tok, question)
             expected = clover.base_model.generate(ids, max_new_tokens=48, do_sample=False)
-            out = clover.generate(ids, max_new_tokens=48, do_sample=False)
+            out = clover.generate(ids, max_new_tokens=48, do_sample=False, budget="full")
             assert torch.equal(out, expected)
             steps, tokens = steps + clover.generation_stats.steps, tokens + clover.generation_stats.new_tokens
         rates.append(tokens / steps)
@@ -51,7 +51,7 @@ def test_shipped_heads_draft_well_when_sampling(converted):
         steps = tokens = 0
         torch.manual_seed(0)
         for question in mtbench_questions()[3:6]:
-            clover.generate(_chat(tok, question), max_new_tokens=48, do_sample=True, temperature=0.7)
+            clover.generate(_chat(tok, question), max_new_tokens=48, do_sample=True, temperature=0.7, budget="full")
             steps, tokens = steps + clover.generation_stats.steps, tokens + clover.generation_stats.new_tokens
         rates.append(tokens / steps)
     # measured (stage-6 heads): shipped 1.48 tokens per forward (144 in 97), untrained 1.04
@@ -76,7 +76,7 @@ def test_shipped_heads_exact_on_a_padded_batch(converted):
     batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     assert not batch["attention_mask"].all()  # padding is exercised
     expected = model.base_model.generate(**batch, max_new_tokens=48, do_sample=False)
-    out = model.generate(**batch, max_new_tokens=48, do_sample=False)
+    out = model.generate(**batch, max_new_tokens=48, do_sample=False, budget="full")
     assert torch.equal(out, expected)
     stats = model.generation_stats
     # measured (stage-6 heads): 144 tokens in 35 forwards, 4.1 per forward across the three rows (1.64 per row)
@@ -97,7 +97,7 @@ def test_shipped_medusa_baseline_is_exact_and_drafts_worse_than_clover(converted
         steps = tokens = 0
         for question in mtbench_questions()[:3]:
             ids = _chat(tok, question)
-            out = model.generate(ids, max_new_tokens=48, do_sample=False, lookup=0)
+            out = model.generate(ids, max_new_tokens=48, do_sample=False, lookup=0, budget="full")
             assert torch.equal(out, model.base_model.generate(ids, max_new_tokens=48, do_sample=False))
             steps, tokens = steps + model.generation_stats.steps, tokens + model.generation_stats.new_tokens
         rates.append(tokens / steps)

@@ -118,7 +118,8 @@ class OracleHeads(CloverHeads):
             truth = reference[want] if want < len(reference) else 0
             on_branch = tuple(target[: len(p)]) == tuple(p) and len(p) <= right_depth
             out.append(truth if on_branch else (truth + 1 + p[-1]) % VOCAB)
-        return torch.tensor(out, device=feature.device)
+        probs = [0.9 if tuple(target[: len(p)]) == tuple(p) else 0.1 for p in tree.paths]
+        return torch.tensor(out, device=feature.device), torch.tensor(probs, device=feature.device)
 
     def draft_dynamic(self, feature, root, depth, width, embed, lm_head):
         """The real candidates, re-labelled: one deepest path carries the reference and ranks first."""
@@ -151,7 +152,9 @@ def oracle_model(base: PreTrainedModel, reference: torch.Tensor, pads: list[int]
     heads = OracleHeads(clover.clover_config, reference, pads, base.get_input_embeddings())
     heads.load_state_dict(clover.clover_heads.state_dict())
     heads.to(device=base.device, dtype=base.dtype)
-    return CloverForCausalLM(base, heads)
+    model = CloverForCausalLM(base, heads)
+    model.budget = "full"  # oracle drafts exercise the verifier on whole trees; budgets are tested on their own
+    return model
 
 
 def left_padded(*prompts: torch.Tensor, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

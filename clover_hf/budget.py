@@ -1,0 +1,304 @@
+"""The draft budget: each step, verify only the drafted nodes that pay on the machine at hand.
+
+- `CostModel`: milliseconds of one verify step by rows and tokens per row, measured where the code
+  runs (a calibration of a few forwards, kept in the user cache) and refined from the steps timed.
+- `AcceptanceModel`: the chance that a drafted node is accepted once its parent is, from the heads'
+  own probability (per depth) or the lookup chain's record (per n-gram length and chain depth),
+  calibrated against what verification actually accepted.
+- `choose_width`: the number of tokens per row to verify with the most expected tokens per
+  millisecond, from 1 (a plain decoding step) to the whole tree; `HeadsGate` stops drafting with the
+  heads while that does not pay for its own cost, and tries again after a pause.
+
+The choice depends on draft probabilities, earlier steps and the clock, never on the target's
+outputs of the step it is made for: greedy output stays identical and sampling stays lossless.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .tree import StepTree
+
+# Widths (tokens verified per row) a calibration measures; others are interpolated.
+WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
+COSTS_FILE = "verify_costs.json"
+
+
+@dataclass
+class CostModel:
+    """Predicted milliseconds of one verify step (forward, acceptance, cache upkeep) by rows and width."""
+
+    ms: dict[int, dict[int, float]] = field(default_factory=dict)  # rows -> {tokens per row: ms}
+    smoothing: float = 0.1  # weight of each timed step in the running estimate
+    draft_ms: float | None = None  # drafting's cost per step when fixed; None: timed as decoding goes
+
+    @classmethod
+    def from_function(cls, fn: Callable[[int, int], float], rows: range | tuple = range(1, 9),
+                      max_width: int = WIDTHS[-1], draft_ms: float | None = None) -> "CostModel":
+        """A fixed model read off `fn(rows, width) -> ms` (for tests and what-if runs)."""
+        return cls({r: {w: float(fn(r, w)) for w in WIDTHS if w <= max_width} for r in rows}, draft_ms=draft_ms)
+
+    def covers(self, rows: int, width: int) -> bool:
+        curve = self.ms.get(rows)
+        return bool(curve) and 1 in curve and max(curve) >= width
+
+    def curve(self, rows: int) -> dict[int, float]:
+        """The widths' costs for `rows` rows; where those were never timed, the nearest row count's."""
+        if rows not in self.ms:
+            if not self.ms:
+                raise ValueError("the cost model holds no costs yet")
+            self.ms[rows] = dict(self.ms[min(self.ms, key=lambda r: (abs(r - rows), -r))])
+        return self.ms[rows]
+
+    def predict(self, rows: int, width: int) -> float:
+        """Linear between measured widths; past the widest, proportional to the width."""
+        curve = self.curve(rows)
+        if width in curve:
+            return curve[width]
+        below = [w for w in curve if w < width]
+        above = [w for w in curve if w > width]
+        if not above:
+            return curve[max(below)] * width / max(below)
+        if not below:
+            return curve[min(above)]
+        lo, hi = max(below), min(above)
+        return curve[lo] + (curve[hi] - curve[lo]) * (width - lo) / (hi - lo)
+
+    def widths(self, rows: int, limit: int) -> list[int]:
+        """The widths to choose among: those measured below `limit`, and `limit` (the whole tree)."""
+        return sorted({w for w in self.curve(rows) if w < limit} | {limit})
+
+    def observe(self, rows: int, width: int, ms: float) -> None:
+        """Fold one timed step into the estimate for its width."""
+        curve = self.curve(rows) if self.ms else self.ms.setdefault(rows, {})
+        if width not in curve:
+            curve[width] = self.predict(rows, width) if curve else ms
+        curve[width] += self.smoothing * (ms - curve[width])
+
+    def to_json(self) -> dict:
+        return {str(r): {str(w): round(ms, 3) for w, ms in sorted(c.items())} for r, c in self.ms.items()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CostModel":
+        return cls({int(r): {int(w): float(ms) for w, ms in c.items()} for r, c in data.items()})
+
+
+def cost_key(model: torch.nn.Module, device: torch.device) -> str:
+    """What a verify step's cost depends on: the base (its name and architecture), dtype, device,
+    threads, CPU capability and torch version."""
+    from .hardware import cpu_capability, cpu_name
+
+    config = model.config.to_json_string(use_diff=False)
+    arch = hashlib.sha1(config.encode()).hexdigest()[:12]
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return "|".join([getattr(model.config, "_name_or_path", "") or "?", arch, str(model.dtype).removeprefix("torch."),
+                     where, f"{torch.get_num_threads()} threads", cpu_name(), cpu_capability(),
+                     f"torch {torch.__version__}"])
+
+
+def _costs_path(cache_dir: str | Path | None) -> Path:
+    from .embedded import default_cache_dir
+
+    return (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / COSTS_FILE
+
+
+def load_costs(key: str, cache_dir: str | Path | None = None) -> CostModel | None:
+    """The costs measured earlier under `key` (a JSON file in the user cache), or None."""
+    try:
+        data = json.loads(_costs_path(cache_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    entry = data.get(key) if isinstance(data, dict) else None
+    return CostModel.from_json(entry) if isinstance(entry, dict) else None
+
+
+def save_costs(key: str, costs: CostModel, cache_dir: str | Path | None = None) -> None:
+    """Store `costs` under `key`, replacing the file atomically (a crash never leaves half a file)."""
+    path = _costs_path(cache_dir)
+    try:
+        data = json.loads(path.read_text())
+        data = data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        data = {}
+    data[key] = costs.to_json()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".verify_costs.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+HEAD_BINS = 10  # the heads' probabilities are calibrated in this many equal bins per depth
+PRIOR_WEIGHT = 2.0  # a bucket's prior counts as this many observed nodes
+
+
+class AcceptanceModel:
+    """Chance that a drafted node is accepted given that its parent is, counted per bucket.
+
+    A head node's bucket is its depth and its draft probability's bin; a lookup-chain node's is the
+    length of the n-gram that found the chain and its depth in the chain. Each bucket starts from a
+    prior (the bin's probability; for chains, more for longer n-grams) and learns from every node
+    verified under an accepted parent.
+    """
+
+    def __init__(self, depth: int, chain: int, max_ngram: int = 3) -> None:
+        self.depth, self.chain, self.max_ngram = depth, max(chain, 1), max_ngram
+        head_prior = ((torch.arange(HEAD_BINS) + 0.5) / HEAD_BINS).repeat(depth)
+        chain_prior = (0.05 + 0.15 * torch.arange(1, max_ngram + 1)).repeat_interleave(self.chain)
+        self.prior = torch.cat([head_prior, chain_prior]).double()
+        self.hits = torch.zeros_like(self.prior)
+        self.trials = torch.zeros_like(self.prior)
+
+    def buckets(self, depths: torch.Tensor, probs: torch.Tensor, is_chain: torch.Tensor, ngram: int) -> torch.Tensor:
+        """(N,) bucket of each node of a drafted tree: depths (N,), the heads' probabilities (N,) and
+        which nodes are the lookup chain's (found by an `ngram`-token match); -1 for the root."""
+        bins = (probs.float() * HEAD_BINS).long().clamp(0, HEAD_BINS - 1)
+        head = (depths.clamp(1, self.depth) - 1) * HEAD_BINS + bins
+        start = self.depth * HEAD_BINS + (min(max(ngram, 1), self.max_ngram) - 1) * self.chain
+        chain = start + (depths - 1).clamp(0, self.chain - 1)
+        return torch.where(depths == 0, -1, torch.where(is_chain, chain, head))
+
+    def rates(self, buckets: torch.Tensor) -> torch.Tensor:
+        """(N,) chances for buckets (N,) on the CPU; -1 (the root) is certain."""
+        rate = (self.hits + PRIOR_WEIGHT * self.prior) / (self.trials + PRIOR_WEIGHT)
+        return torch.where(buckets < 0, 1.0, rate[buckets.clamp(min=0)])
+
+    def observe(self, buckets: torch.Tensor, tried: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Count the nodes `tried` (their parent was accepted) and which of them were `accepted` (CPU)."""
+        tried = tried & (buckets >= 0)
+        self.trials.index_add_(0, buckets[tried], torch.ones_like(buckets[tried], dtype=self.trials.dtype))
+        hit = tried & accepted
+        self.hits.index_add_(0, buckets[hit], torch.ones_like(buckets[hit], dtype=self.hits.dtype))
+
+
+def path_chances(rates: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
+    """(N,) chance that each node's whole path is accepted: the product of its ancestors' rates.
+    Never more than its parent's, so the likeliest k nodes always form a tree."""
+    return torch.exp(ancestors.to(torch.float64) @ rates.clamp(min=1e-9).log())
+
+
+def choose_width(chances: list[torch.Tensor], costs: CostModel) -> tuple[int, float, float]:
+    """The tokens per row to verify, with the most expected tokens per millisecond.
+
+    chances[b]: path chances of row b's drafted nodes (root excluded). A width w verifies each row's
+    root and its w-1 likeliest nodes. Returns (width, expected tokens of all rows, predicted ms).
+    """
+    rows = len(chances)
+    limit = 1 + max(c.numel() for c in chances)
+    gains = [torch.cat([c.new_zeros(1), c.sort(descending=True).values.cumsum(0)]).tolist() for c in chances]
+    best = (1, 0.0, 1.0)
+    best_rate = -1.0
+    for width in costs.widths(rows, limit):
+        tokens = sum(1 + g[min(width - 1, len(g) - 1)] for g in gains)
+        ms = costs.predict(rows, width)
+        if tokens / ms > best_rate:
+            best, best_rate = (width, tokens, ms), tokens / ms
+    return best
+
+
+def likeliest(chances: torch.Tensor, width: int) -> torch.Tensor:
+    """Node indices (root 0 first, then in tree order) of the root and the width-1 likeliest drafted nodes."""
+    top = chances.sort(descending=True, stable=True).indices[: width - 1] + 1
+    return torch.cat([top.new_zeros(1), top.sort().values])
+
+
+def prune(parents: torch.Tensor, depths: torch.Tensor, keep: torch.Tensor) -> StepTree:
+    """The tree of the nodes `keep` (sorted, root first, closed under parents), renumbered."""
+    keep = keep.to(parents.device)
+    new_index = torch.zeros(parents.shape[0], dtype=torch.long, device=parents.device)
+    new_index[keep] = torch.arange(keep.shape[0], device=parents.device)
+    kept_depths = depths[keep]
+    return StepTree.from_parents(new_index[parents[keep]], kept_depths, int(kept_depths.max()))
+
+
+MIN_PAUSE, MAX_PAUSE = 4, 64  # steps without the heads after drafting did not pay; doubles while it still does not
+
+
+@dataclass
+class HeadsGate:
+    """Whether to draft with the heads this step: not while recent steps say drafting costs more
+    time than the tokens it adds are worth; after a pause (doubling while that holds) it tries again."""
+
+    draft_ms: float | None = None  # running cost of drafting (and of the Augmenting Block it needs)
+    gain: float | None = None  # running (tokens/ms with the heads) - (tokens/ms with the lookup chain alone)
+    pause: int = 0
+    next_pause: int = MIN_PAUSE
+    smoothing: float = 0.3
+
+    def drafting(self) -> bool:
+        if self.pause > 0:
+            self.pause -= 1
+            return False
+        return True
+
+    def record(self, draft_ms: float, tokens: float, verify_ms: float, rate_without: float) -> None:
+        """One drafted step: its drafting time, and the expected tokens and predicted ms of the chosen
+        width, against the best expected rate of the lookup chain alone."""
+        self.draft_ms = draft_ms if self.draft_ms is None else self.draft_ms + self.smoothing * (draft_ms - self.draft_ms)
+        gain = tokens / (verify_ms + self.draft_ms) - rate_without
+        self.gain = gain if self.gain is None else self.gain + self.smoothing * (gain - self.gain)
+        if self.gain < 0:
+            self.pause, self.next_pause = self.next_pause, min(2 * self.next_pause, MAX_PAUSE)
+            self.gain = None  # judged afresh after the pause
+        else:
+            self.next_pause = MIN_PAUSE
+
+
+class DraftBudget:
+    """What the per-step choice keeps across `generate` calls of one model: verify costs per machine
+    (loaded from and saved to the user cache) and acceptance per decoding mode.
+
+    `costs` fixes the cost model (nothing is measured, refined or saved: with its `draft_ms` set,
+    the choices are the same on every run); `cache_dir` overrides where costs are kept (default:
+    `$CLOVER_HF_CACHE` or ~/.cache/clover_hf).
+    """
+
+    def __init__(self, costs: CostModel | None = None, cache_dir: str | Path | None = None) -> None:
+        self.fixed = costs
+        self.cache_dir = cache_dir
+        self._costs: dict[str, CostModel] = {}
+        self._acceptance: dict[tuple, AcceptanceModel] = {}
+        self.gate = HeadsGate()
+
+    def acceptance(self, sample: bool, depth: int, chain: int) -> AcceptanceModel:
+        key = (sample, depth, chain)
+        if key not in self._acceptance:
+            self._acceptance[key] = AcceptanceModel(depth, chain)
+        return self._acceptance[key]
+
+    def costs(self, key: str, rows: int, limit: int, measure: Callable[[int], float], calibrate: bool | None
+              ) -> CostModel | None:
+        """The cost model for `key` covering `rows` rows up to width `limit`, or None where it has none.
+
+        calibrate None: measure (with `measure(width) -> ms`) what neither this process nor the user
+        cache has; True: measure again; False: never measure.
+        """
+        if self.fixed is not None:
+            if not self.fixed.ms:
+                raise ValueError("the cost model given as budget holds no costs: build it with CostModel.from_function")
+            return self.fixed
+        if key not in self._costs:
+            self._costs[key] = load_costs(key, self.cache_dir) or CostModel()
+        costs = self._costs[key]
+        if calibrate or (calibrate is None and not costs.covers(rows, limit)):
+            widths = [w for w in WIDTHS if w < limit] + [limit]
+            curve = costs.ms.setdefault(rows, {})
+            measure(1)  # warm-up: the first forward of a process pays for one-off set-up
+            for w in widths:
+                if calibrate or w not in curve:
+                    curve[w] = measure(w)
+            save_costs(key, costs, self.cache_dir)
+        return costs if costs.covers(rows, 1) else None
+
+    def save(self, key: str) -> None:
+        """Keep what the timed steps refined for the next process."""
+        if self.fixed is None and key in self._costs:
+            save_costs(key, self._costs[key], self.cache_dir)
