@@ -7,16 +7,14 @@ Every method runs on the same prompts in the same process, so ratios are measure
 from __future__ import annotations
 
 import json
-import platform
 import resource
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from .data import mtbench_questions
+from .hardware import timed
 
 
 @dataclass
@@ -26,6 +24,8 @@ class MethodResult:
     new_tokens: int = 0
     steps: int = 0
     verify_steps: int = 0  # Clover's forwards after the prefill: the steps that draft and verify
+    verified_tokens: int = 0  # tokens verified over all verify steps and rows (the root included)
+    head_drafts: int = 0  # verify steps whose tree the heads drafted
     identical: int = 0
     prompts: int = 0
     accepted_lengths: list[int] = field(default_factory=list)
@@ -38,6 +38,12 @@ class MethodResult:
     @property
     def tokens_per_step(self) -> float:
         return self.new_tokens / self.steps if self.steps else float("nan")
+
+    @property
+    def verified_per_step(self) -> float:
+        """Tokens verified per verify step and row: the budget the method chose (1 = plain decoding)."""
+        n = len(self.accepted_lengths)
+        return self.verified_tokens / n if n else float("nan")
 
     def acceptance_by_depth(self, max_depth: int) -> list[float]:
         """Share of verify steps (of rows, in a batch) that accepted at least d drafted tokens, d = 1..max_depth."""
@@ -59,17 +65,6 @@ def read_prompts(source: str | None, limit: int | None) -> list[str]:
     if not prompts:
         raise ValueError(f"no prompts in {source}")
     return prompts[:limit] if limit else prompts
-
-
-def timed(fn: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, float]:
-    """Wall time of `fn()`; on an accelerator the queued work is waited for at both ends."""
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-    start = time.perf_counter()
-    out = fn()
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-    return out, time.perf_counter() - start
 
 
 def _generated_lengths(out: torch.Tensor, prompt_len: int, eos: set[int]) -> list[int]:
@@ -150,6 +145,8 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
                 r.steps += stats.steps
                 r.verify_steps += stats.steps - 1
                 r.accepted_lengths += stats.accepted_lengths
+                r.verified_tokens += stats.verified_tokens
+                r.head_drafts += stats.head_drafts
                 for stage, sec in stats.stage_seconds.items():
                     r.stage_seconds[stage] = r.stage_seconds.get(stage, 0.0) + sec
             elif name == "plain generate":
@@ -177,13 +174,16 @@ def peak_memory(device: torch.device) -> str:
 
 def markdown_table(results: dict[str, MethodResult], max_depth: int, sampled: bool = False) -> str:
     plain = results["plain generate"]
-    head = ["method", "tokens/s", "x plain", "tokens/step", "identical to plain"]
+    head = ["method", "tokens/s", "x plain", "tokens/step", "verified/step", "heads drafted", "identical to plain"]
     head += [f"accept d{d}" for d in range(1, max_depth + 1)]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results.values():
         acc = r.acceptance_by_depth(max_depth) if r.accepted_lengths else [float("nan")] * max_depth
         cells = [r.name, f"{r.tokens_per_second:.1f}", f"{r.tokens_per_second / plain.tokens_per_second:.2f}",
-                 f"{r.tokens_per_step:.2f}" if r.steps else "-", "-" if sampled else f"{r.identical}/{r.prompts}"]
+                 f"{r.tokens_per_step:.2f}" if r.steps else "-",
+                 f"{r.verified_per_step:.2f}" if r.accepted_lengths else "-",
+                 f"{r.head_drafts / r.verify_steps:.0%}" if r.accepted_lengths and r.verify_steps else "-",
+                 "-" if sampled else f"{r.identical}/{r.prompts}"]
         cells += ["-" if a != a else f"{a:.2f}" for a in acc]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
@@ -227,11 +227,3 @@ def plot(results: dict[str, MethodResult], path: str | Path) -> Path | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return Path(path)
-
-
-def machine_description(device: torch.device | str = "cpu") -> str:
-    device = torch.device(device)
-    cpu = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
-    if device.type == "cuda":
-        cpu = f"{torch.cuda.get_device_name(device)} (CPU: {cpu})"
-    return f"{cpu}, torch {torch.__version__}, {platform.platform()}"

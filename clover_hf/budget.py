@@ -30,6 +30,7 @@ from .tree import StepTree
 # Widths (tokens verified per row) a calibration measures; others are interpolated.
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
 COSTS_FILE = "verify_costs.json"
+NARROW = 8  # widths up to this are calibrated three times, wider ones once (they cost more and are chosen less)
 
 
 @dataclass
@@ -219,19 +220,25 @@ def prune(parents: torch.Tensor, depths: torch.Tensor, keep: torch.Tensor) -> St
     return StepTree.from_parents(new_index[parents[keep]], kept_depths, int(kept_depths.max()))
 
 
-MIN_PAUSE, MAX_PAUSE = 4, 64  # steps without the heads after drafting did not pay; doubles while it still does not
+MIN_PAUSE, MAX_PAUSE = 4, 32  # steps without the heads after drafting did not pay; doubles while it still does not
+FULL_DEPTH_EVERY = 8  # of drafting steps, those that draft the tree's full depth whatever was used before
 
 
 @dataclass
 class HeadsGate:
     """Whether to draft with the heads this step: not while recent steps say drafting costs more
-    time than the tokens it adds are worth; after a pause (doubling while that holds) it tries again."""
+    time than the tokens it adds are worth; after a pause (doubling while that holds) it tries again.
+    And how deep: one level below the deepest drafted node the last drafting step verified (each
+    level costs a head pass), the tree's full depth now and then."""
 
-    draft_ms: float | None = None  # running cost of drafting (and of the Augmenting Block it needs)
+    draft_ms: float | None = None  # running cost of drafting a tree
+    augment_ms: float = 0.0  # running cost of the Augmenting Block per accepted position (paid only to draft)
     gain: float | None = None  # running (tokens/ms with the heads) - (tokens/ms with the lookup chain alone)
     pause: int = 0
     next_pause: int = MIN_PAUSE
     smoothing: float = 0.3
+    depth: int | None = None  # drafting depth; None: the tree's own
+    drafted: int = 0
 
     def drafting(self) -> bool:
         if self.pause > 0:
@@ -239,11 +246,27 @@ class HeadsGate:
             return False
         return True
 
-    def record(self, draft_ms: float, tokens: float, verify_ms: float, rate_without: float) -> None:
-        """One drafted step: its drafting time, and the expected tokens and predicted ms of the chosen
-        width, against the best expected rate of the lookup chain alone."""
-        self.draft_ms = draft_ms if self.draft_ms is None else self.draft_ms + self.smoothing * (draft_ms - self.draft_ms)
-        gain = tokens / (verify_ms + self.draft_ms) - rate_without
+    def draft_depth(self, full: int) -> int:
+        """How deep to draft this step, for a tree `full` levels deep."""
+        self.drafted += 1
+        if self.depth is None or self.drafted % FULL_DEPTH_EVERY == 0:
+            return full
+        return min(self.depth, full)
+
+    def used(self, deepest: int) -> None:
+        """The deepest drafted node a drafting step verified (0: none)."""
+        self.depth = deepest + 1
+
+    def record(self, draft_ms: float, augment_ms: float, tokens: float, verify_ms: float, rate_without: float) -> None:
+        """One drafted step: its drafting time and the Augmenting Block's per position, and the
+        expected tokens and predicted ms of the chosen width, against the best expected rate of the
+        lookup chain alone."""
+        if self.draft_ms is None:
+            self.draft_ms, self.augment_ms = draft_ms, augment_ms
+        else:
+            self.draft_ms += self.smoothing * (draft_ms - self.draft_ms)
+            self.augment_ms += self.smoothing * (augment_ms - self.augment_ms)
+        gain = tokens / (verify_ms + self.draft_ms + self.augment_ms * tokens) - rate_without
         self.gain = gain if self.gain is None else self.gain + self.smoothing * (gain - self.gain)
         if self.gain < 0:
             self.pause, self.next_pause = self.next_pause, min(2 * self.next_pause, MAX_PAUSE)
@@ -291,10 +314,14 @@ class DraftBudget:
         if calibrate or (calibrate is None and not costs.covers(rows, limit)):
             widths = [w for w in WIDTHS if w < limit] + [limit]
             curve = costs.ms.setdefault(rows, {})
+            todo = [w for w in widths if calibrate or w not in curve]
             measure(1)  # warm-up: the first forward of a process pays for one-off set-up
-            for w in widths:
-                if calibrate or w not in curve:
-                    curve[w] = measure(w)
+            for w in todo:
+                curve[w] = measure(w)
+            for _ in range(2):  # narrow widths twice more, keeping the fastest: one slow forward must not
+                for w in todo:  # rule out a width the budget may well choose
+                    if w <= NARROW:
+                        curve[w] = min(curve[w], measure(w))
             save_costs(key, costs, self.cache_dir)
         return costs if costs.covers(rows, 1) else None
 

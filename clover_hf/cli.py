@@ -106,6 +106,7 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
 
     from . import bench, embedded
     from .card import tree_summary
+    from .hardware import describe_machine
     from .modeling import CloverForCausalLM
 
     if threads:
@@ -142,7 +143,7 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
     base_mib = sum(p.numel() * p.element_size() for p in model.base_model.parameters()) / 2**20
     heads_mib = sum(t.numel() * t.element_size() for t in model.clover_heads.state_dict().values()) / 2**20
     summary = (f"{len(texts)} prompts ({prompts}), {max_new_tokens} new tokens, {dtype}, "
-               f"{sampling_words(do_sample, temperature)}, batch {batch_size}; machine: {bench.machine_description(device)}\n\n"
+               f"{sampling_words(do_sample, temperature)}, batch {batch_size}; machine: {describe_machine(device)}\n\n"
                f"{table}\n\nweights: base {base_mib:.0f} MiB, heads {heads_mib:.1f} MiB "
                f"({100 * heads_mib / base_mib:.1f}%); {bench.peak_memory(device)}\n\n"
                f"clover's draft settings, unless a variant overrides them: {tree_summary(model.clover_config)}\n\n"

@@ -144,14 +144,17 @@ class _Draft:
         return _Draft(self.tokens[nodes], tree, self.probs[nodes], self.is_chain[nodes], self.ngram)
 
 
-def _catch_up(heads: DraftHeads, row: _Row) -> None:
+def _catch_up(heads: DraftHeads, row: _Row) -> int:
     """Run the heads' features (the Augmenting Block) over the positions accepted since they last
-    drafted: steps that verify without the heads defer this work to the next step that drafts."""
-    if row.pending:
-        hidden, embeds, positions = (torch.cat(parts, dim=1) for parts in zip(*row.pending))
-        features, row.aug_cache = heads.features(hidden, embeds, positions, cache=row.aug_cache)
-        row.feature = features[0, -1]
-        row.pending = []
+    drafted: steps that verify without the heads defer this work to the next step that drafts.
+    Returns how many positions it ran."""
+    if not row.pending:
+        return 0
+    hidden, embeds, positions = (torch.cat(parts, dim=1) for parts in zip(*row.pending))
+    features, row.aug_cache = heads.features(hidden, embeds, positions, cache=row.aug_cache)
+    row.feature = features[0, -1]
+    row.pending = []
+    return positions.shape[1]
 
 
 def _stack_trees(drafts: list[_Draft], rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -210,6 +213,30 @@ def _draft_tree(heads: DraftHeads, feature, root, spec, trees, chain, ngram: int
     return _Draft(tokens, StepTree.from_parents(parents, depths, max(spec.depth, chain.shape[0])), probs, is_chain, ngram)
 
 
+def _static_trees(paths, device: torch.device | str, lookup_max: int, depth: int | None) -> list[TreeBuffers]:
+    """The static tree (cut to `depth` levels, when given) compiled for each chain length 0..lookup_max."""
+    return _compiled_trees(tuple(tuple(p) for p in paths), str(device), lookup_max, depth)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled_trees(paths: tuple[tuple[int, ...], ...], device: str, lookup_max: int, depth: int | None
+                    ) -> list[TreeBuffers]:
+    cut = [list(p) for p in paths if depth is None or len(p) <= depth]
+    return [build_tree(cut, device, lookup=m) for m in range(lookup_max + 1)]
+
+
+def _shallower(spec, trees: list[TreeBuffers] | None, depth: int, lookup_max: int):
+    """The step's tree spec and static trees, drafted no deeper than `depth` (builds are cached)."""
+    if trees is not None:
+        if depth >= len(trees[0].levels):
+            return spec, trees
+        return spec, _static_trees(trees[0].paths, trees[0].depths.device, lookup_max, depth)
+    if depth >= spec.depth:
+        return spec, trees
+    most = spec.width + (depth - 1) * spec.width**2  # what a tree that deep and wide can hold
+    return DynamicTree(depth=depth, width=spec.width, nodes=min(spec.nodes, most)), trees
+
+
 def _chain_tree(root: torch.Tensor, chain: torch.Tensor, ngram: int) -> _Draft:
     """The root and the lookup chain alone: a step that does not draft with the heads."""
     n = chain.shape[0] + 1
@@ -230,22 +257,18 @@ def _no_deeper(draft: _Draft, depth: int) -> _Draft:
                   draft.probs[:n], draft.is_chain[:n], draft.ngram)
 
 
-def _choose_nodes(drafts: list[_Draft], acceptance, costs: CostModel, gate, draft_ms: float | None
+def _choose_nodes(drafts: list[_Draft], acceptance, costs: CostModel, gate, draft_ms: tuple[float, float] | None
                   ) -> tuple[list[_Draft], list[torch.Tensor]]:
     """Cut each row's draft to the nodes that pay: the width with the most expected tokens per
     millisecond under `costs`, each row keeping its likeliest nodes. Returns the cut drafts and each
-    node's acceptance bucket (on the CPU). When the heads drafted (`draft_ms` given), tells `gate`
-    how that compared with the lookup chain alone."""
+    node's acceptance bucket (on the CPU). When the heads drafted (`draft_ms`: their drafting time,
+    and the Augmenting Block's per position), tells `gate` how that compared with the chain alone."""
     buckets, chances = [], []
     for d in drafts:
         b = acceptance.buckets(d.tree.depths, d.probs, d.is_chain, d.ngram).cpu()  # the step's one host sync
         buckets.append(b)
         chances.append(path_chances(acceptance.rates(b), d.tree.ancestors.cpu())[1:])
     width, tokens, ms = choose_width(chances, costs)
-    if draft_ms is not None:
-        chain_only = [c * d.is_chain[1:].cpu() for c, d in zip(chances, drafts)]
-        _, chain_tokens, chain_ms = choose_width(chain_only, costs)
-        gate.record(draft_ms, tokens, ms, chain_tokens / chain_ms)
     cut, cut_buckets = [], []
     for d, b, c in zip(drafts, buckets, chances):
         if width >= d.tokens.shape[0]:
@@ -255,6 +278,11 @@ def _choose_nodes(drafts: list[_Draft], acceptance, costs: CostModel, gate, draf
         nodes = likeliest(c, width)
         cut.append(d.keep(nodes))
         cut_buckets.append(b[nodes])
+    if draft_ms is not None:
+        chain_only = [c * d.is_chain[1:].cpu() for c, d in zip(chances, drafts)]
+        _, chain_tokens, chain_ms = choose_width(chain_only, costs)
+        gate.record(*draft_ms, tokens, ms, chain_tokens / chain_ms)
+        gate.used(max(int(d.tree.depths[~d.is_chain].max()) for d in cut))
     return cut, cut_buckets
 
 
@@ -366,8 +394,8 @@ def clover_generate(
                          "(paths in Medusa's format) instead of a dynamic tree")
     lookup = heads.config.lookup_tokens if clover_lookup is None else clover_lookup
     lookup_max = max(lookup, heads.config.lookup_max_tokens if clover_lookup_max is None else clover_lookup_max)
-    # static trees are compiled once per lookup chain length
-    trees = None if isinstance(spec, DynamicTree) else [build_tree(spec, device, lookup=m) for m in range(lookup_max + 1)]
+    # static trees are compiled once per lookup chain length (and per drafting depth, when the budget cuts it)
+    trees = None if isinstance(spec, DynamicTree) else _static_trees(spec, device, lookup_max, depth=None)
     depth = spec.depth if trees is None else len(trees[0].levels)
     if depth > heads.config.num_heads:
         raise ValueError(f"the tree is {depth} deep but the heads draft {heads.config.num_heads} tokens")
@@ -425,15 +453,21 @@ def clover_generate(
         # then verify all rows in one forward over the cache.
         started = time.perf_counter()
         with_heads = not budgeted or clover_budget.gate.drafting()
+        step_spec, step_trees = spec, trees
+        if with_heads and budgeted:
+            step_spec, step_trees = _shallower(spec, trees, clover_budget.gate.draft_depth(depth), lookup_max)
         drafts, chains = [], []
+        augment_s, augmented = 0.0, 0
         for row in active:
             text = row.emitter.input_ids[0, row.start :]
             depth_left = generation_config.max_length - row.emitter.input_ids.shape[1] - 1  # after the bonus token
             chain_len = min(lookup_max if budgeted else row.chain_len, depth_left)
             chain, ngram = lookup_match(text, chain_len) if chain_len > 0 else (row.root.new_empty(0), 0)
             if with_heads:
-                _catch_up(heads, row)
-                draft = _draft_tree(heads, row.feature, row.root, spec, trees, chain, ngram, embed, lm_head)
+                augment_start = time.perf_counter()
+                augmented += _catch_up(heads, row)
+                augment_s += time.perf_counter() - augment_start
+                draft = _draft_tree(heads, row.feature, row.root, step_spec, step_trees, chain, ngram, embed, lm_head)
             else:
                 draft = _chain_tree(row.root, chain, ngram)
             drafts.append(_no_deeper(draft, depth_left))
@@ -441,9 +475,12 @@ def clover_generate(
         stats.head_drafts += with_heads
         clock.lap("draft")
         if budgeted:
-            draft_ms = None
-            if with_heads:
-                draft_ms = costs.draft_ms if costs.draft_ms is not None else 1000 * (time.perf_counter() - started)
+            draft_ms = None  # (drafting, Augmenting Block per position) in ms, when the heads drafted
+            if with_heads and costs.draft_ms is not None:
+                draft_ms = (costs.draft_ms, 0.0)
+            elif with_heads:
+                drafting_s = time.perf_counter() - started - augment_s
+                draft_ms = (1000 * drafting_s, 1000 * augment_s / max(augmented, 1))
             drafts, buckets = _choose_nodes(drafts, acceptance, costs, clover_budget.gate, draft_ms)
             clock.lap("choose")
         verify_started = time.perf_counter()

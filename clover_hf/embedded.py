@@ -142,11 +142,17 @@ def shipped_heads_path(head_type: str = "clover") -> Path:
     return Path(__file__).parent / "pretrained" / name
 
 
-def load_default(dtype: torch.dtype = torch.bfloat16, cache_dir: str | Path | None = None):
-    """The embedded SmolLM2-135M-Instruct with the shipped heads: returns (CloverForCausalLM, tokenizer)."""
+def load_default(dtype: torch.dtype | None = None, cache_dir: str | Path | None = None):
+    """The embedded SmolLM2-135M-Instruct with the shipped heads: returns (CloverForCausalLM, tokenizer).
+
+    `dtype` None picks what decodes fastest on this CPU (`hardware.default_dtype`).
+    """
     from transformers import AutoTokenizer
 
+    from .hardware import default_dtype
     from .modeling import CloverForCausalLM
+
+    dtype = default_dtype("cpu") if dtype is None else dtype
 
     heads = shipped_heads_path()
     if not (heads / "model.safetensors").is_file():

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 from clover_hf import CloverForCausalLM
-from clover_hf.bench import timed
+from clover_hf.hardware import timed
 from clover_hf.data import mtbench_questions
 from clover_hf.embedded import base_model_path, shipped_heads_path
 

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 
 import clover_hf.decoding as decoding
 from clover_hf import CloverForCausalLM
-from clover_hf.bench import timed
+from clover_hf.hardware import timed
 from clover_hf.data import mtbench_questions
 from clover_hf.embedded import base_model_path, shipped_heads_path
 

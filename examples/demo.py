@@ -7,13 +7,11 @@ measured on the same prompts in this process.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
-from transformers import AutoTokenizer
 
-from clover_hf import CloverForCausalLM
-from clover_hf.embedded import base_model_path, load_default, shipped_heads_path
+from clover_hf.embedded import load_default
+from clover_hf.hardware import cpu_capability, default_dtype, describe_machine, timed
 
 PROMPTS = [
     "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences "
@@ -23,31 +21,17 @@ PROMPTS = [
 ]
 
 
-def load(dtype: torch.dtype):
-    if (shipped_heads_path() / "model.safetensors").is_file():
-        return load_default(dtype) + (True,)
-    print("NOTE: no trained heads are shipped yet: using UNTRAINED heads (output is still exact, speed is not).")
-    from transformers import AutoModelForCausalLM
-
-    path = base_model_path(dtype)
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    return CloverForCausalLM.from_base(base), AutoTokenizer.from_pretrained(path), False
-
-
-def timed(fn):
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="auto: bf16 where this CPU decodes it faster than fp32, else fp32")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
-    dtype = getattr(torch, args.dtype)
-    print(f"loading SmolLM2-135M-Instruct ({args.dtype}) with Clover heads ...")
-    model, tokenizer, trained = load(dtype)
+    dtype = default_dtype("cpu") if args.dtype == "auto" else getattr(torch, args.dtype)
+    dtype_name = str(dtype).removeprefix("torch.")
+    print(f"machine: {describe_machine()}")
+    print(f"loading SmolLM2-135M-Instruct ({dtype_name}, CPU capability {cpu_capability()}) with Clover heads ...")
+    model, tokenizer = load_default(dtype)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     warm = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
                                          return_tensors="pt", return_dict=False)
@@ -55,16 +39,17 @@ def main() -> None:
     model.base_model.generate(warm, max_new_tokens=8, do_sample=False)
 
     plain_time = clover_time = 0.0
-    plain_tokens = clover_tokens = steps = identical = 0
+    plain_tokens = clover_tokens = steps = identical = verified = verify_steps = 0
     for prompt in PROMPTS:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=False)
-        plain, t_plain = timed(lambda: model.base_model.generate(ids, **kwargs))
-        fast, t_fast = timed(lambda: model.generate(ids, **kwargs))
+        plain, t_plain = timed(lambda: model.base_model.generate(ids, **kwargs), model.device)
+        fast, t_fast = timed(lambda: model.generate(ids, **kwargs), model.device)
         stats = model.generation_stats
         plain_time, clover_time = plain_time + t_plain, clover_time + t_fast
         plain_tokens += plain.shape[1] - ids.shape[1]
         clover_tokens, steps = clover_tokens + stats.new_tokens, steps + stats.steps
+        verified, verify_steps = verified + stats.verified_tokens, verify_steps + len(stats.accepted_lengths)
         same = plain.shape == fast.shape and bool((plain == fast).all())
         identical += same
         print(f"\n### {prompt}\n{tokenizer.decode(fast[0, ids.shape[1]:], skip_special_tokens=True)}")
@@ -73,10 +58,11 @@ def main() -> None:
 
     speedup = (clover_tokens / clover_time) / (plain_tokens / plain_time)
     print("\n=== summary ===")
-    print(f"heads: {'trained (shipped)' if trained else 'UNTRAINED'}; dtype {args.dtype}; greedy; "
-          f"{args.max_new_tokens} new tokens; {torch.get_num_threads()} threads")
+    print(f"CPU capability {cpu_capability()}; dtype {dtype_name}; greedy; {args.max_new_tokens} new tokens; "
+          f"{torch.get_num_threads()} threads")
     print(f"plain generate: {plain_tokens / plain_time:.1f} tokens/s")
-    print(f"clover:         {clover_tokens / clover_time:.1f} tokens/s, {clover_tokens / steps:.2f} tokens/step")
+    print(f"clover:         {clover_tokens / clover_time:.1f} tokens/s, {clover_tokens / steps:.2f} tokens/step, "
+          f"{verified / verify_steps:.2f} tokens verified per step (the budget chosen for this machine)")
     print(f"speedup:        {speedup:.2f}x  (identical outputs: {identical}/{len(PROMPTS)}; exactness is "
           f"guaranteed in float32, bfloat16 batched verification may round differently)")
 

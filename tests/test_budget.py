@@ -1,0 +1,235 @@
+"""The draft budget: cost model, calibrated acceptance, the per-step choice, and exactness under it.
+
+Costs are injected (`CostModel.from_function`), never read off the clock, so every assertion here is
+about what the chooser does with given costs.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from clover_hf import CloverForCausalLM, CostModel, DraftBudget
+from clover_hf.budget import (
+    HEAD_BINS,
+    MIN_PAUSE,
+    AcceptanceModel,
+    HeadsGate,
+    choose_width,
+    likeliest,
+    load_costs,
+    path_chances,
+    prune,
+    save_costs,
+)
+from clover_hf.hardware import default_dtype, native_bf16_cpu
+
+from .tiny import ARCHS, left_padded, prompt, same, tiny_model
+
+FLAT = CostModel.from_function(lambda rows, width: 10.0, draft_ms=0.0)  # verifying more costs nothing
+STEEP = CostModel.from_function(lambda rows, width: 10.0 * rows * width, draft_ms=5.0)  # each token costs a forward
+
+
+def test_cost_model_interpolates_and_refines():
+    costs = CostModel({1: {1: 10.0, 4: 16.0, 8: 40.0}})
+    assert costs.predict(1, 4) == 16.0
+    assert costs.predict(1, 2) == pytest.approx(12.0)  # linear between 1 and 4
+    assert costs.predict(1, 16) == pytest.approx(80.0)  # past the widest: proportional
+    assert costs.predict(3, 4) == 16.0  # an unseen row count starts from the nearest one's costs
+    assert costs.widths(1, 6) == [1, 4, 6]  # measured widths below the limit, and the limit
+    costs.observe(1, 4, 26.0)
+    assert costs.predict(1, 4) == pytest.approx(16.0 + costs.smoothing * 10.0)
+    costs.observe(1, 2, 20.0)  # a new width starts at its interpolated cost (width 4 now costs 17)
+    start = 10.0 + (17.0 - 10.0) / 3
+    assert costs.predict(1, 2) == pytest.approx(start + costs.smoothing * (20.0 - start))
+    restored = CostModel.from_json(json.loads(json.dumps(costs.to_json())))
+    assert restored.ms.keys() == costs.ms.keys()
+    for rows, curve in costs.ms.items():
+        assert restored.ms[rows] == pytest.approx(curve, abs=1e-3)  # stored to the microsecond
+
+
+def test_costs_are_kept_per_key(tmp_path):
+    assert load_costs("machine A", tmp_path) is None
+    save_costs("machine A", CostModel({1: {1: 5.0, 2: 6.0}}), tmp_path)
+    save_costs("machine B", CostModel({1: {1: 9.0}}), tmp_path)
+    assert load_costs("machine A", tmp_path).ms == {1: {1: 5.0, 2: 6.0}}
+    assert load_costs("machine B", tmp_path).ms == {1: {1: 9.0}}
+    (tmp_path / "verify_costs.json").write_text("{not json")
+    assert load_costs("machine A", tmp_path) is None  # a damaged file is measured again, not fatal
+
+
+def test_budget_measures_only_what_it_does_not_know(tmp_path):
+    calls = []
+
+    def measure(width: int) -> float:
+        calls.append(width)
+        return 10.0 + width + (5.0 if calls.count(width) == 1 else 0.0)  # the first forward of a width is slow
+
+    budget = DraftBudget(cache_dir=tmp_path)
+    costs = budget.costs("m", rows=1, limit=11, measure=measure, calibrate=None)
+    assert calls[0] == 1 and sorted(set(calls)) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11]  # warm-up, then each width
+    assert len(calls) == 1 + 10 + 2 * 8  # widths up to 8 measured thrice; the fastest counts
+    assert costs.predict(1, 11) == 26.0 and costs.predict(1, 8) == 18.0  # narrow widths: the fastest of three
+    calls.clear()
+    assert budget.costs("m", 1, 11, measure, None) is costs and calls == []  # known: nothing measured
+    again = DraftBudget(cache_dir=tmp_path).costs("m", 1, 11, measure, None)  # a new process reads the cache
+    assert calls == [] and again.ms == costs.ms
+    DraftBudget(cache_dir=tmp_path).costs("m", 1, 11, measure, calibrate=True)
+    assert len(calls) == 1 + 10 + 2 * 8  # forced: every width again, after the warm-up
+    calls.clear()
+    assert DraftBudget(cache_dir=tmp_path).costs("other", 1, 11, measure, calibrate=False) is None
+    assert calls == []  # skipped: nothing measured, and without stored costs no budget
+
+
+def test_acceptance_learns_per_bucket():
+    model = AcceptanceModel(depth=2, chain=4)
+    depths = torch.tensor([0, 1, 1, 2, 1, 2])
+    probs = torch.tensor([1.0, 0.95, 0.05, 0.5, 1.0, 1.0])
+    is_chain = torch.tensor([False, False, False, False, True, True])
+    buckets = model.buckets(depths, probs, is_chain, ngram=3)
+    chain_start = 2 * HEAD_BINS + 2 * 4  # after the heads' bins and the 1- and 2-gram chains
+    assert buckets.tolist() == [-1, HEAD_BINS - 1, 0, HEAD_BINS + 5, chain_start, chain_start + 1]
+    before = model.rates(buckets)
+    assert before[0] == 1.0 and before[1] == pytest.approx(0.95) and before[2] == pytest.approx(0.05)
+    for _ in range(50):  # the confident depth-1 head node is never right; the chain always is
+        model.observe(buckets, tried=torch.ones(6, dtype=torch.bool),
+                      accepted=torch.tensor([True, False, False, False, True, True]))
+    after = model.rates(buckets)
+    assert after[1] < 0.05 and after[4] > 0.95 and after[5] > 0.95
+    untried = model.rates(model.buckets(torch.tensor([2]), torch.tensor([0.95]), torch.tensor([False]), 0))
+    assert untried.item() == pytest.approx(0.95)  # another bucket keeps its prior
+
+
+def test_path_chances_multiply_along_paths():
+    parents, depths = torch.tensor([0, 0, 0, 1, 3]), torch.tensor([0, 1, 1, 2, 3])
+    tree = prune(parents, depths, torch.arange(5))
+    chances = path_chances(torch.tensor([1.0, 0.5, 0.4, 0.5, 0.9], dtype=torch.float64), tree.ancestors)
+    assert chances.tolist() == pytest.approx([1.0, 0.5, 0.4, 0.25, 0.225])
+
+
+def test_choose_width_follows_the_costs():
+    chances = [torch.tensor([0.9, 0.6, 0.3, 0.1], dtype=torch.float64)]  # expected tokens 1, 1.9, 2.5, 2.8, 2.9
+    assert choose_width(chances, FLAT)[0] == 5  # the whole tree
+    assert choose_width(chances, STEEP)[0] == 1  # a plain decoding step
+    # 10 ms + 6 ms per extra token: rates 0.1, 0.119, 0.114, ... -> 2 tokens
+    width, tokens, ms = choose_width(chances, CostModel.from_function(lambda r, w: 10.0 + 6.0 * (w - 1)))
+    assert (width, tokens, ms) == (2, pytest.approx(1.9), 16.0)
+    # two rows share the width: their expected tokens add up
+    rows = [chances[0], torch.tensor([0.99, 0.98, 0.97, 0.96], dtype=torch.float64)]
+    assert choose_width(rows, CostModel.from_function(lambda r, w: 10.0 + 2.0 * (w - 1)))[0] == 5
+
+
+def test_likeliest_nodes_form_a_tree():
+    parents, depths = torch.tensor([0, 0, 0, 1, 1, 3]), torch.tensor([0, 1, 1, 2, 2, 3])
+    rates = torch.tensor([1.0, 0.9, 0.3, 0.8, 0.05, 0.9], dtype=torch.float64)
+    full = prune(parents, depths, torch.arange(6))
+    chances = path_chances(rates, full.ancestors)[1:]
+    keep = likeliest(chances, 4)
+    assert keep.tolist() == [0, 1, 3, 5]  # 0.9, 0.72, 0.648 beat 0.3: a chain through node 1
+    cut = prune(parents, depths, keep)
+    assert cut.parents.tolist() == [0, 0, 1, 2] and cut.depths.tolist() == [0, 1, 2, 3] and cut.max_depth == 3
+
+
+def test_heads_gate_pauses_while_drafting_does_not_pay():
+    gate = HeadsGate()
+    assert gate.drafting()
+    gate.record(draft_ms=20.0, augment_ms=0.0, tokens=1.5, verify_ms=10.0, rate_without=0.1)  # 1.5/30 < 0.1
+    assert [gate.drafting() for _ in range(MIN_PAUSE + 1)] == [False] * MIN_PAUSE + [True]
+    gate.record(draft_ms=20.0, augment_ms=0.0, tokens=1.5, verify_ms=10.0, rate_without=0.1)
+    assert [gate.drafting() for _ in range(2 * MIN_PAUSE + 1)] == [False] * (2 * MIN_PAUSE) + [True]  # doubled
+    gate.record(draft_ms=0.0, augment_ms=1.0, tokens=3.0, verify_ms=10.0, rate_without=0.1)  # pays now
+    assert gate.drafting() and gate.next_pause == MIN_PAUSE
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("costs", ["flat", "steep"])
+def test_budget_keeps_greedy_exact(arch, costs):
+    """Whatever the costs, greedy output equals the base's; a steep cost curve verifies one token per
+    step (plain decoding) and stops drafting, a flat one verifies the whole tree."""
+    base = tiny_model(arch)
+    ids = prompt(3)
+    ref = base.generate(ids, max_new_tokens=30, do_sample=False)
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=0)
+    out = clover.generate(ids, max_new_tokens=30, do_sample=False, budget=FLAT if costs == "flat" else STEEP)
+    assert same(out, ref)
+    stats = clover.generation_stats
+    if costs == "steep":
+        assert stats.verified_per_step == 1.0 and stats.new_tokens == stats.steps
+        assert stats.head_drafts < (stats.steps - 1) / 2  # the gate paused drafting most of the time
+    else:
+        whole = len(clover.clover_config.tree) + 1
+        cut = clover.clover_config.num_heads  # at most this many last steps, near max_length, verify shallower trees
+        assert stats.verified_tokens >= whole * (len(stats.accepted_lengths) - cut)
+        assert stats.head_drafts == stats.steps - 1
+
+
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_budget_exact_when_sampling_greedily_and_in_batches(tree):
+    base = tiny_model("llama")
+    spec = {"depth": 3, "width": 3, "nodes": 8} if tree == "dynamic" else None
+    middle = CostModel.from_function(lambda rows, width: 10.0 + rows * width, draft_ms=1.0)
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
+    ids = prompt(4)
+    ref = base.generate(ids, max_new_tokens=30, do_sample=False)
+    assert same(clover.generate(ids, max_new_tokens=30, do_sample=True, top_k=1, budget=middle, tree=spec), ref)
+    batch, mask, _ = left_padded(prompt(5, 7), prompt(6, 12))
+    ref = base.generate(batch, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    for costs in (middle, FLAT, STEEP):
+        out = clover.generate(batch, attention_mask=mask, max_new_tokens=20, do_sample=False, budget=costs, tree=spec)
+        assert same(out, ref)
+
+
+def test_budget_follows_a_copying_text_with_long_chains():
+    """Where the output repeats earlier text, the chain's record earns it long verifications."""
+    base = tiny_model("llama")
+    ids = prompt(2)
+    ref = base.generate(ids, max_new_tokens=60, do_sample=False)
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=2, lookup_max_tokens=16)
+    cheap = CostModel.from_function(lambda rows, width: 10.0 + 0.1 * width, draft_ms=0.0)
+    assert same(clover.generate(ids, max_new_tokens=60, do_sample=False, budget=cheap), ref)
+    assert max(clover.generation_stats.accepted_lengths) > 8  # beyond the heads' depth: a long chain
+
+
+def test_auto_budget_calibrates_once_and_stays_exact(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLOVER_HF_CACHE", str(tmp_path))
+    base = tiny_model("qwen2")
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=2, lookup_max_tokens=4)
+    ids = prompt(7)
+    ref = base.generate(ids, max_new_tokens=20, do_sample=False)
+    assert same(clover.generate(ids, max_new_tokens=20, do_sample=False), ref)
+    stored = json.loads((tmp_path / "verify_costs.json").read_text())
+    (key, curves), = stored.items()
+    assert "float32" in key and torch.backends.cpu.get_cpu_capability() in key
+    assert max(int(w) for w in curves["1"]) == len(clover.clover_config.tree) + 1 + 4  # the widest tree + chain
+    assert same(clover.generate(ids, max_new_tokens=20, do_sample=False, calibrate=False), ref)
+
+
+def test_bad_budget_is_refused_before_any_forward():
+    clover = CloverForCausalLM.from_base(tiny_model("llama"))
+    with pytest.raises(ValueError, match="budget must be 'auto', 'full'"):
+        clover.generate(prompt(1), max_new_tokens=4, budget="fast")
+    with pytest.raises(ValueError, match="holds no costs"):
+        clover.generate(prompt(1), max_new_tokens=4, budget=CostModel())
+
+
+def test_default_dtype_follows_the_cpu(monkeypatch):
+    import clover_hf.hardware as hardware
+
+    monkeypatch.setattr(hardware, "cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(hardware, "bf16_reads_faster_cpu", lambda: False)
+    assert not native_bf16_cpu() and default_dtype("cpu") == torch.float32
+    monkeypatch.setattr(hardware, "bf16_reads_faster_cpu", lambda: True)  # no native bf16, but measured faster
+    assert default_dtype("cpu") == torch.bfloat16
+    monkeypatch.setattr(hardware, "bf16_reads_faster_cpu", lambda: False)
+    monkeypatch.setattr(hardware, "cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(hardware, "_cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert default_dtype("cpu") == torch.bfloat16
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # an AVX2-only CPU emulated
+    assert default_dtype("cpu") == torch.float32
+    monkeypatch.setattr(hardware, "_cpu_flags", lambda: frozenset({"avx512f"}))
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert default_dtype("cpu") == torch.float32  # AVX-512 without bf16
+    assert default_dtype("cuda") == torch.bfloat16
