@@ -30,6 +30,7 @@ class MethodResult:
     prompts: int = 0
     accepted_lengths: list[int] = field(default_factory=list)
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    prompt_rates: list[float] = field(default_factory=list)  # tokens/s on each prompt (or batch)
 
     @property
     def tokens_per_second(self) -> float:
@@ -138,7 +139,9 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
             out, seconds = timed(lambda: fn(inputs), base.device)
             r = results[name]
             r.seconds += seconds
-            r.new_tokens += sum(_generated_lengths(out, prompt_len, eos))
+            tokens = sum(_generated_lengths(out, prompt_len, eos))
+            r.new_tokens += tokens
+            r.prompt_rates.append(tokens / seconds)
             r.prompts += out.shape[0]
             stats = drafting[name][0].generation_stats if name in drafting else None
             if stats is not None:
@@ -187,6 +190,20 @@ def markdown_table(results: dict[str, MethodResult], max_depth: int, sampled: bo
         cells += ["-" if a != a else f"{a:.2f}" for a in acc]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def slowest_prompts(results: dict[str, MethodResult]) -> str:
+    """Per method, its lowest speed relative to plain `generate` on one prompt (or batch), and on how
+    many prompts it was below 0.9x."""
+    plain = results["plain generate"].prompt_rates
+    lines = []
+    for r in results.values():
+        if r.name == "plain generate" or not r.prompt_rates:
+            continue
+        ratios = [a / b for a, b in zip(r.prompt_rates, plain)]
+        lines.append(f"{r.name}: slowest prompt {min(ratios):.2f}x plain (prompt {ratios.index(min(ratios)) + 1}), "
+                     f"{sum(x < 0.9 for x in ratios)} of {len(ratios)} prompts below 0.9x")
+    return "\n".join(lines)
 
 
 def step_breakdown(result: MethodResult) -> str:

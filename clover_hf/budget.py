@@ -38,7 +38,7 @@ class CostModel:
     """Predicted milliseconds of one verify step (forward, acceptance, cache upkeep) by rows and width."""
 
     ms: dict[int, dict[int, float]] = field(default_factory=dict)  # rows -> {tokens per row: ms}
-    smoothing: float = 0.1  # weight of each timed step in the running estimate
+    smoothing: float = 0.2  # weight of each timed step in the running estimate
     draft_ms: float | None = None  # drafting's cost per step when fixed; None: timed as decoding goes
 
     @classmethod

@@ -147,7 +147,7 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
                f"{table}\n\nweights: base {base_mib:.0f} MiB, heads {heads_mib:.1f} MiB "
                f"({100 * heads_mib / base_mib:.1f}%); {bench.peak_memory(device)}\n\n"
                f"clover's draft settings, unless a variant overrides them: {tree_summary(model.clover_config)}\n\n"
-               f"{breakdown}")
+               f"{bench.slowest_prompts(results)}\n\n{breakdown}")
     (out / "results.md").write_text(summary + "\n")
     (out / "results.json").write_text(json.dumps({n: vars(r) for n, r in results.items()}, indent=1))
     png = bench.plot(results, out / "plot.png")

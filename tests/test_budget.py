@@ -41,8 +41,8 @@ def test_cost_model_interpolates_and_refines():
     assert costs.widths(1, 6) == [1, 4, 6]  # measured widths below the limit, and the limit
     costs.observe(1, 4, 26.0)
     assert costs.predict(1, 4) == pytest.approx(16.0 + costs.smoothing * 10.0)
-    costs.observe(1, 2, 20.0)  # a new width starts at its interpolated cost (width 4 now costs 17)
-    start = 10.0 + (17.0 - 10.0) / 3
+    costs.observe(1, 2, 20.0)  # a new width starts at its interpolated cost, between widths 1 and 4
+    start = 10.0 + (costs.predict(1, 4) - 10.0) / 3
     assert costs.predict(1, 2) == pytest.approx(start + costs.smoothing * (20.0 - start))
     restored = CostModel.from_json(json.loads(json.dumps(costs.to_json())))
     assert restored.ms.keys() == costs.ms.keys()
