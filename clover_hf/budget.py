@@ -30,6 +30,7 @@ from .tree import StepTree
 # Widths (tokens verified per row) a calibration measures; others are interpolated.
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
 COSTS_FILE = "verify_costs.json"
+OUTLIER = 2.0  # a timed step counts at most this many times the estimate
 NARROW = 8  # widths up to this are calibrated three times, wider ones once (they cost more and are chosen less)
 
 
@@ -78,11 +79,12 @@ class CostModel:
         return sorted({w for w in self.curve(rows) if w < limit} | {limit})
 
     def observe(self, rows: int, width: int, ms: float) -> None:
-        """Fold one timed step into the estimate for its width."""
+        """Fold one timed step into the estimate for its width. A step slower than twice the estimate
+        counts as twice it: one stall of the machine must not make every wider step look cheap."""
         curve = self.curve(rows) if self.ms else self.ms.setdefault(rows, {})
         if width not in curve:
             curve[width] = self.predict(rows, width) if curve else ms
-        curve[width] += self.smoothing * (ms - curve[width])
+        curve[width] += self.smoothing * (min(ms, OUTLIER * curve[width]) - curve[width])
 
     def to_json(self) -> dict:
         return {str(r): {str(w): round(ms, 3) for w, ms in sorted(c.items())} for r, c in self.ms.items()}

@@ -44,6 +44,9 @@ def test_cost_model_interpolates_and_refines():
     costs.observe(1, 2, 20.0)  # a new width starts at its interpolated cost, between widths 1 and 4
     start = 10.0 + (costs.predict(1, 4) - 10.0) / 3
     assert costs.predict(1, 2) == pytest.approx(start + costs.smoothing * (20.0 - start))
+    before = costs.predict(1, 8)
+    costs.observe(1, 8, 10_000.0)  # a stall counts as twice the estimate, no more
+    assert costs.predict(1, 8) == pytest.approx(before + costs.smoothing * before)
     restored = CostModel.from_json(json.loads(json.dumps(costs.to_json())))
     assert restored.ms.keys() == costs.ms.keys()
     for rows, curve in costs.ms.items():

@@ -103,3 +103,22 @@ def test_shipped_medusa_baseline_is_exact_and_drafts_worse_than_clover(converted
         rates.append(tokens / steps)
     # measured: Clover 1.58 tokens per forward (144 in 91), Medusa 1.44 (144 in 100)
     assert rates[1] > 1.25 and rates[0] > rates[1] + 0.05, rates
+
+
+def test_shipped_heads_under_a_budget_are_exact_and_follow_the_costs(converted):
+    """The default budget with the trained heads: where verifying is nearly free (a GPU-like cost
+    curve) it verifies wide trees and accepts long paths; where each token costs a forward (steeper
+    than any CPU measured) it decodes plainly. The output is the base's either way."""
+    from clover_hf import CostModel
+
+    model, _, tok = _shipped_and_untrained(converted)
+    cheap = CostModel.from_function(lambda rows, width: 40.0 + 0.5 * width, draft_ms=3.0)
+    steep = CostModel.from_function(lambda rows, width: 40.0 * width, draft_ms=3.0)
+    ids = _chat(tok, mtbench_questions()[9])
+    expected = model.base_model.generate(ids, max_new_tokens=48, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=48, do_sample=False, budget=cheap), expected)
+    wide = model.generation_stats
+    assert torch.equal(model.generate(ids, max_new_tokens=48, do_sample=False, budget=steep), expected)
+    plain = model.generation_stats
+    assert wide.verified_per_step > 4 and wide.tokens_per_step > 1.4, (wide.verified_per_step, wide.tokens_per_step)
+    assert plain.verified_per_step == 1.0 and plain.tokens_per_step == 1.0
