@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM, GenerationConfig, GenerationMixin
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.configuration_utils import GenerationMode
 
+from .budget import CostModel, DraftBudget
 from .card import write_model_card
 from .config import CloverConfig
-from .budget import CostModel, DraftBudget
 from .decoding import GenerationStats, clover_generate
 from .heads import DraftHeads, build_heads
 from .hub import HEADS_FILES, is_heads_dir, load_heads, resolve_heads, save_heads
