@@ -286,7 +286,7 @@ def _choose_nodes(drafts: list[_Draft], acceptance, costs: CostModel, gate, draf
     return cut, cut_buckets
 
 
-def _measure_verify(model: PreTrainedModel, cache, positions: torch.Tensor, layout: "MaskLayout",
+def _measure_verify(model: PreTrainedModel, cache, positions: torch.Tensor, layout: MaskLayout,
                     token: torch.Tensor):
     """`measure(width) -> ms`: the time of one forward of `width` tokens per row over the cache as it
     is, which is then cut back. Calibrates the draft budget's cost model."""

@@ -23,36 +23,34 @@ def cpu_capability() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-@lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str]:
+@lru_cache(maxsize=4)
+def _cpuinfo(field: str) -> str | None:
+    """The first value of `field` in /proc/cpuinfo (Linux), or None."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-@lru_cache(maxsize=1)
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
+                if line.startswith(field):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def _cpu_flags() -> frozenset[str]:
+    return frozenset((_cpuinfo("flags") or "").split())
+
+
+def cpu_name() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def native_bf16_cpu() -> bool:
     """Whether this CPU computes bf16 matrix products natively (AVX-512-bf16 or AMX) and torch may use it.
 
-    Where it does not, torch converts bf16 to fp32 around every product, and a bf16 model runs slower
-    than in fp32. `ATEN_CPU_CAPABILITY=avx2` / `ONEDNN_MAX_CPU_ISA=AVX2` (an AVX2-only CPU emulated)
-    count as no.
+    Where it does not, torch converts bf16 to fp32 around every product: many-token forwards cost far
+    more than in fp32. `ATEN_CPU_CAPABILITY=avx2` / `ONEDNN_MAX_CPU_ISA=AVX2` (an AVX2-only CPU
+    emulated) count as no; so does any CPU whose flags this cannot read (other CPUs are measured by
+    `bf16_reads_faster_cpu`).
     """
     if not cpu_capability().upper().startswith("AVX512"):
         return False
@@ -60,9 +58,7 @@ def native_bf16_cpu() -> bool:
     if limit not in ("ALL", "") and "BF16" not in limit and "AMX" not in limit:
         return False
     flags = _cpu_flags()
-    if flags:
-        return "avx512_bf16" in flags or "amx_bf16" in flags
-    return platform.machine() in ("arm64", "aarch64") or platform.system() == "Darwin"
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 @lru_cache(maxsize=1)
