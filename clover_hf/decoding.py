@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessorList, MaxLengthCriteria, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .budget import CostModel, DraftBudget, choose_width, cost_key, likeliest, path_chances, prune
@@ -392,6 +392,7 @@ def clover_generate(
     if isinstance(spec, DynamicTree) and not heads.dynamic_trees:
         raise ValueError(f"{heads.config.head_type} heads draft static trees only: pass tree=[[0], [1], [0, 0], ...] "
                          "(paths in Medusa's format) instead of a dynamic tree")
+    _check_arguments(clover_lookup, clover_lookup_max, batch, generation_config, stopping_criteria)
     lookup = heads.config.lookup_tokens if clover_lookup is None else clover_lookup
     lookup_max = max(lookup, heads.config.lookup_max_tokens if clover_lookup_max is None else clover_lookup_max)
     # static trees are compiled once per lookup chain length (and per drafting depth, when the budget cuts it)
@@ -593,16 +594,30 @@ def _compact(cache, past_len: int, kept: list[torch.Tensor], node_pos: torch.Ten
     return slot_pos
 
 
+def _check_arguments(lookup: int | None, lookup_max: int | None, batch: int, generation_config: GenerationConfig,
+                     stopping_criteria: StoppingCriteriaList) -> None:
+    """Refuse what would fail or mislead only after decoding started."""
+    for name, value in (("lookup", lookup), ("lookup_max", lookup_max)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{name} must be an int >= 0 (0: no lookup chain), got {value!r}")
+    may_stop_early = generation_config.eos_token_id is not None or any(
+        not isinstance(c, MaxLengthCriteria) for c in stopping_criteria)
+    if batch > 1 and may_stop_early and _pad_id(generation_config) is None:
+        raise ValueError("a batch whose rows may stop at different lengths needs pad_token_id to pad the shorter "
+                         "ones: pass pad_token_id=tokenizer.pad_token_id (or eos_token_id) to generate")
+
+
+def _pad_id(generation_config: GenerationConfig) -> torch.Tensor | int | None:
+    pad = getattr(generation_config, "_pad_token_tensor", None)
+    return generation_config.pad_token_id if pad is None else pad
+
+
 def _pad_rows(rows: list[torch.Tensor], generation_config: GenerationConfig) -> torch.Tensor:
     """(B, L) sequences; rows that stopped early end in `pad_token_id`, as in transformers' own decoding."""
     length = max(r.shape[0] for r in rows)
     if all(r.shape[0] == length for r in rows):
         return torch.stack(rows)
-    pad = getattr(generation_config, "_pad_token_tensor", None)
-    if pad is None and generation_config.pad_token_id is not None:
-        pad = torch.tensor(generation_config.pad_token_id, device=rows[0].device)
-    if pad is None:
-        raise ValueError("rows of the batch stopped at different lengths: set pad_token_id to pad the shorter ones")
+    pad = torch.as_tensor(_pad_id(generation_config), device=rows[0].device)  # checked before decoding
     out = pad.to(rows[0].dtype).expand(len(rows), length).clone()
     for b, r in enumerate(rows):
         out[b, : r.shape[0]] = r

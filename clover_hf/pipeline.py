@@ -54,8 +54,18 @@ def make_accelerator(mixed_precision: str = "no") -> Accelerator:
 def load_base(config: DataConfig, device: torch.device):
     dtype = getattr(torch, config.base_dtype)
     base = AutoModelForCausalLM.from_pretrained(config.base_model, revision=config.base_revision, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(config.base_model, revision=config.base_revision)
-    return base.to(device).eval().requires_grad_(False), tokenizer
+    return base.to(device).eval().requires_grad_(False)
+
+
+def check_chat_template(records: list[Record], tokenizer, data: DataConfig) -> None:
+    """Conversations are formatted by the base's chat template: without one, fail before the base loads."""
+    if getattr(tokenizer, "chat_template", None) or all(isinstance(r, str) for r in records):
+        return
+    raise ValueError(
+        f"the tokenizer of {data.base_model} has no chat template, so the conversations in {data.data} cannot be "
+        "formatted the way this model will see them. Train on plain text instead (--data notes.txt, or a .jsonl "
+        "of {\"text\": ...} lines), or use a base whose tokenizer sets chat_template (e.g. its instruct variant)"
+    )
 
 
 def read_records(sources: list[str], limit: int | None, skip: int = 0) -> list[Record]:
@@ -85,7 +95,9 @@ def prepare_features(data: DataConfig, out: Path, accelerator: Accelerator, log=
 
     check_inputs(data, AutoConfig.from_pretrained(data.base_model, revision=data.base_revision))
     records = read_records(data.data, data.max_records, data.skip_records)
-    base, tokenizer = load_base(data, accelerator.device)
+    tokenizer = AutoTokenizer.from_pretrained(data.base_model, revision=data.base_revision)
+    check_chat_template(records, tokenizer, data)
+    base = load_base(data, accelerator.device)
     rank, world = accelerator.process_index, accelerator.num_processes
     out.mkdir(parents=True, exist_ok=True)
     if data.self_distill:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # How the heads shipped in clover_hf/pretrained/smollm2-135m-instruct (and the Medusa baseline at the
-# end) were trained (2-core CPU, in stages that each fit a session; every stage resumes after an
+# end) were trained (2-core CPU, in six stages, each its own run; every stage resumes after an
 # interruption when rerun).
 #   1. ShareGPT first-turn prompts answered by SmolLM2 itself (greedy), shortest prompts first, for a
 #      fixed time budget; fresh heads.
@@ -45,7 +45,7 @@ clover-hf train "${COMMON[@]}" --data sharegpt --skip-records 4800 --max-records
 
 # packaged with the static tree and lookup chain that were fastest in a sweep on 8 MT-Bench prompts (bf16);
 # the chain doubles up to 20 tokens while the text copies earlier text; on a GPU, at batch size 1, a 128-node
-# dynamic tree (fastest of 10/32/64/128 nodes on an H100, BENCHMARKS.md "On a GPU")
+# dynamic tree (fastest of 10/32/64/128 nodes on an H100, BENCHMARKS.md, "Tree size: small on the CPU, large on a GPU")
 python examples/package_heads.py runs/smol-mix5/heads \
     --tree '[[0],[1],[2],[3],[4],[0,0],[0,1],[1,0],[2,0],[0,0,0]]' --lookup 5 --lookup-max 20 \
     --accelerator-tree '{"depth": 4, "width": 16, "nodes": 128}'

