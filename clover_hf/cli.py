@@ -74,6 +74,9 @@ def make_parser() -> argparse.ArgumentParser:
                        help='Clover variants to compare, as JSON: name -> generate arguments, e.g. '
                             '\'{"static": {"lookup": 0}, "dynamic": {"tree": {"depth": 4, "width": 4, "nodes": 16}}}\' '
                             "(default: one run with the heads' own settings)")
+    bench.add_argument("--recheck", type=int, default=3,
+                       help="time each prompt on which a method ran below 0.9x plain this many more times, "
+                            "and report the median too (0: never)")
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     bench.add_argument("--device", default=None,
                        help="cpu, cuda, cuda:1, ... (default: the machine's accelerator if it has one, else cpu)")
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_sample, temperature,
-                  no_prompt_lookup, medusa_heads, no_medusa, batch_size, variants, threads, device, out_dir) -> None:
+                  no_prompt_lookup, medusa_heads, no_medusa, batch_size, variants, recheck, threads, device, out_dir) -> None:
     import json
     from pathlib import Path
 
@@ -130,7 +133,7 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
     runs = {f"clover ({name})": kwargs for name, kwargs in json.loads(variants).items()} if variants else None
     results = bench.run_benchmark(model, tokenizer, texts, max_new_tokens, do_sample, not no_prompt_lookup,
                                   clover_runs=runs, temperature=temperature, batch_size=batch_size,
-                                  baselines=baselines)
+                                  baselines=baselines, recheck=recheck)
     # the table's "accept dN" columns reach as deep as any method drafts: its heads or its lookup chain
     reach = [model.clover_config.num_heads, model.clover_config.lookup_tokens,
              *(kw.get("lookup") or 0 for kw in (runs or {}).values())]

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from clover_hf import CloverForCausalLM
-from clover_hf.bench import markdown_table, read_prompts, run_benchmark
+from clover_hf.bench import MethodResult, markdown_table, read_prompts, run_benchmark, slowest_prompts
 from clover_hf.cli import main
 
 from .tiny import CHAT_TEMPLATE, byte_tokenizer, save_tiny_base, tiny_model
@@ -112,3 +112,26 @@ def test_bench_batches_prompts(tmp_path):
     clover = results["clover"]
     assert clover["prompts"] == 3 and clover["new_tokens"] == 24 and clover["identical"] == 3
     assert results["plain generate"]["steps"] == 16  # two batches of 8 forwards each
+
+
+def test_prompts_below_the_threshold_are_timed_again():
+    base = tiny_model("llama")
+    tok = byte_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    clover = CloverForCausalLM.from_base(base)
+    results = run_benchmark(clover, tok, ["hello", "a longer prompt here"], max_new_tokens=6, warmup=0,
+                            prompt_lookup=False, recheck=2, recheck_below=100.0, log=lambda *_: None)
+    for r in results.values():  # every prompt was "slow": each method timed 1 + 2 times on each
+        assert sorted(r.rechecked) == [0, 1] and all(len(v) == 3 for v in r.rechecked.values())
+        assert all(v[0] == rate for v, rate in zip(r.rechecked.values(), r.prompt_rates))
+    assert "timed 3 times each (median)" in slowest_prompts(results)
+
+
+def test_slowest_prompts_reports_the_first_timing_and_the_median_of_rechecks():
+    plain = MethodResult("plain generate", prompt_rates=[10.0, 10.0, 10.0], rechecked={1: [10.0, 9.0, 11.0]})
+    clover = MethodResult("clover", prompt_rates=[12.0, 7.0, 9.5], rechecked={1: [7.0, 10.0, 10.5]})
+    lines = slowest_prompts({"plain generate": plain, "clover": clover}).splitlines()
+    assert lines[0] == "clover: slowest prompt 0.70x plain (prompt 2), 1 of 3 prompts below 0.9x"
+    assert lines[1] == ("clover, the 1 prompts below 0.9x of any method timed 3 times each (median): "
+                        "slowest prompt 0.95x plain (prompt 3), 0 of 3 prompts below 0.9x")
+    assert lines[2] == "plain generate on those prompts: its own fastest and slowest timing differ by up to 1.22x"
