@@ -112,7 +112,12 @@ def _clover_words(config: CloverConfig) -> dict[str, str]:
             "An Attention Decoder merges the base model's last hidden state with the embedding of the next token;\n"
             "the Augmenting Block runs over the accepted tokens with its own KV cache; head *i* drafts the token\n"
             "*i*+2 positions ahead, and through the Regressive Connection head *i*+1 also sees the token drafted at\n"
-            "depth *i*. Every head's features go through the base model's frozen lm_head."
+            "depth *i*. Every head's features go through the base model's frozen lm_head.\n\n"
+            "Where this departs from Clover-2's public code: the Augmenting Block has "
+            f"{config.num_augment_layers} layer(s) (Clover-2: 2),\n"
+            "initialised from the base's last decoder layer where names and shapes match, as a Llama-style layer\n"
+            "without biases or q/k norms, and its final norm starts at ones (Clover-2: the base's final norm);\n"
+            "head *i* is norm(s + SiLU(FC([s; e]))) with FC starting at zero (Clover-2: norm(FC([s; e])))."
         ),
     )
 

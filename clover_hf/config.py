@@ -68,6 +68,9 @@ class CloverConfig:
     num_heads: int = field(default=4, metadata={"help": "Draft depth: tokens drafted beyond the next one."})
     num_augment_layers: int = field(default=1, metadata={"help": "Decoder layers in the Augmenting Block."})
     num_attention_heads: int = field(default=8, metadata={"help": "Attention heads of the heads' layers."})
+    head_dim: int | None = field(
+        default=None, metadata={"help": "Size of each attention head (None: hidden_size / num_attention_heads)."}
+    )
     num_key_value_heads: int | None = field(default=None, metadata={"help": "KV heads (None: same as attention)."})
     intermediate_size: int | None = field(default=None, metadata={"help": "MLP size (None: 4 x hidden)."})
     rms_norm_eps: float = field(default=1e-6, metadata={"help": "Epsilon of the heads' RMSNorms."})
@@ -112,10 +115,13 @@ class CloverConfig:
             self.num_key_value_heads = self.num_attention_heads
         if self.intermediate_size is None:
             self.intermediate_size = 4 * self.hidden_size
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
-            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                                 f"{self.num_attention_heads}: give head_dim")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"head_dim must be even and >= 2 (rotary embeddings), got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
@@ -150,16 +156,14 @@ class CloverConfig:
             raise ValueError(f"{name} depth {tree.depth} exceeds the {self.num_heads} heads that draft it")
         return {"depth": tree.depth, "width": tree.width, "nodes": tree.nodes}
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         if data["head_type"] == "clover":  # left out, so Clover heads stay readable by clover-hf before head_type
             del data["head_type"]
         if data["accelerator_dynamic_tree"] is None:  # likewise for clover-hf before accelerator_dynamic_tree
             del data["accelerator_dynamic_tree"]
+        if data["head_dim"] * data["num_attention_heads"] == data["hidden_size"]:  # and before head_dim
+            del data["head_dim"]
         return data
 
     @classmethod
@@ -200,8 +204,9 @@ class CloverConfig:
         cfg = base_config.get_text_config() if hasattr(base_config, "get_text_config") else base_config
         hidden = cfg.hidden_size
         n_heads = getattr(cfg, "num_attention_heads", None)
-        if not n_heads or hidden % n_heads:
-            n_heads = next(h for h in (8, 4, 2, 1) if hidden % h == 0)
+        head_dim = getattr(cfg, "head_dim", None)  # Qwen3, Gemma: may differ from hidden / heads
+        if not n_heads or (hidden % n_heads and not head_dim):
+            n_heads, head_dim = next(h for h in (8, 4, 2, 1) if hidden % h == 0), None
         n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
         if n_heads % n_kv:
             n_kv = n_heads
@@ -212,6 +217,7 @@ class CloverConfig:
             base_model_type=getattr(base_config, "model_type", None),
             num_attention_heads=n_heads,
             num_key_value_heads=n_kv,
+            head_dim=head_dim if head_dim and head_dim * n_heads != hidden else None,
             intermediate_size=getattr(cfg, "intermediate_size", None) or 4 * hidden,
             rms_norm_eps=float(getattr(cfg, "rms_norm_eps", None) or getattr(cfg, "layer_norm_epsilon", None) or 1e-6),
         )

@@ -20,7 +20,7 @@ from .budget import CostModel, DraftBudget
 from .card import write_model_card
 from .config import CloverConfig
 from .decoding import GenerationStats, clover_generate
-from .heads import DraftHeads, build_heads
+from .heads import CloverHeads, DraftHeads, build_heads
 from .hub import HEADS_FILES, is_heads_dir, load_heads, resolve_heads, save_heads
 
 # Architectures whose attention cannot take a tree mask, or whose state is not a KV cache.
@@ -118,8 +118,9 @@ class CloverForCausalLM(nn.Module):
         config_kwargs.setdefault("base_model_name_or_path", name)
         config = CloverConfig.for_base(base_model.config, **config_kwargs)
         heads = build_heads(config)
-        if init_from_base:
-            heads.init_from_base(base_model)
+        if init_from_base and isinstance(heads, CloverHeads) and not heads.init_from_base(base_model):
+            warnings.warn(f"nothing of {name or 'the base'}'s last decoder layer fits the Augmenting Block (no "
+                          "matching names and shapes): it starts from random weights", stacklevel=2)
         heads.to(device=base_model.device, dtype=base_model.dtype)
         return cls(base_model, heads)
 

@@ -166,3 +166,31 @@ def test_clover_heads_learn_the_tokens_they_draft(tmp_path):
     stats = clover.generation_stats
     assert stats.tokens_per_step > 2.5, stats.accepted_lengths
     assert max(stats.accepted_lengths) == 3  # whole chains of the three heads were accepted
+
+
+def test_augmenting_block_starts_from_a_base_whose_head_dim_is_not_hidden_over_heads(tmp_path):
+    """Qwen3-style bases set head_dim apart from hidden / heads: the heads take it, so the base's last
+    decoder layer is copied in, and it survives saving; decoding stays exact."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .tiny import ARCHS
+
+    config = AutoConfig.for_model("qwen3", **dict(ARCHS["qwen3"], head_dim=32))  # 4 heads x 32 != hidden 64
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config).eval()
+    clover = CloverForCausalLM.from_base(base)
+    assert clover.clover_config.head_dim == 32
+    last = base.model.layers[-1]
+    for ours, theirs in [("q_proj", last.self_attn.q_proj), ("o_proj", last.self_attn.o_proj), ("down_proj", last.mlp.down_proj)]:
+        assert torch.equal(getattr(clover.clover_heads.augment[0], ours).weight, theirs.weight), ours
+    ids = prompt(4)
+    assert same(clover.generate(ids, max_new_tokens=24, do_sample=False),
+                base.generate(ids, max_new_tokens=24, do_sample=False))
+    clover.save_pretrained(tmp_path / "heads")
+    assert CloverForCausalLM.from_pretrained(tmp_path / "heads", base_model=base).clover_config.head_dim == 32
+
+
+def test_fresh_heads_say_when_nothing_of_the_base_fits_the_augmenting_block():
+    gpt2 = tiny_model("gpt2")  # its blocks name their weights c_attn, c_fc, ...: nothing to copy
+    with pytest.warns(UserWarning, match="starts from random weights"):
+        CloverForCausalLM.from_base(gpt2)
