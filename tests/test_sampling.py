@@ -120,15 +120,16 @@ def exact_three_token_distribution(base, ids, temperature: float, top_k: int) ->
     return out
 
 
-@pytest.mark.parametrize("arch, n, shift", [("llama", 2000, 0.06), ("gemma3_text", 1000, 0.085)])
+@pytest.mark.parametrize("arch, n, shift", [("llama", 2000, 0.06)])
 def test_clover_sampling_matches_the_base_distribution(arch, n, shift):
     """End to end: 3-token continuations sampled by Clover (oracle heads drafting the greedy path, so
     drafts are often but not always accepted), as rows of batches of one prompt, against the exact
     distribution of base sampling. The test: each continuation's count and each marginal of its first
     two tokens against their binomials, two-sided z bounds, Bonferroni over all cells, family-wise alpha
     0.001. This checks the wiring (which node's distribution, which random number, which row): n = 2000
-    detects a 6% shift in a marginal with power 0.9, n = 1000 an 8.5% one (2% would take about 17000
-    samples; the Monte Carlo test of `accept_sampled` above has that power)."""
+    detects a 6% shift in a marginal with power 0.9 (2% would take about 17000 samples; the Monte Carlo
+    test of `accept_sampled` above has that power). Other architectures' masks meet sampling in
+    `test_top_k_1_sampling_is_greedy`."""
     base = tiny_model(arch)
     ids = prompt(5, length=8)
     ref = base.generate(ids, max_new_tokens=12, do_sample=False)
@@ -167,14 +168,14 @@ def test_top_k_1_sampling_is_greedy(arch, drafting):
     base = tiny_model(arch)
     clover = CloverForCausalLM.from_base(base)
     ids = prompt(2)
-    ref = base.generate(ids, max_new_tokens=40, do_sample=False)
+    ref = base.generate(ids, max_new_tokens=30, do_sample=False)
     # the whole tree every step: a per-step budget may verify other nodes in each mode
-    out = clover.generate(ids, max_new_tokens=40, do_sample=True, top_k=1, budget="full", **DRAFTING[drafting])
+    out = clover.generate(ids, max_new_tokens=30, do_sample=True, top_k=1, budget="full", **DRAFTING[drafting])
     assert same(out, ref)
     assert clover.generation_stats is not None  # ran through Clover, no fallback
     sampled_steps = clover.generation_stats.steps
-    assert same(clover.generate(ids, max_new_tokens=40, do_sample=True, top_k=1, **DRAFTING[drafting]), ref)
-    clover.generate(ids, max_new_tokens=40, do_sample=False, budget="full", **DRAFTING[drafting])
+    assert same(clover.generate(ids, max_new_tokens=30, do_sample=True, top_k=1, **DRAFTING[drafting]), ref)
+    clover.generate(ids, max_new_tokens=30, do_sample=False, budget="full", **DRAFTING[drafting])
     assert sampled_steps == clover.generation_stats.steps  # one-hot targets accept what greedy accepts
 
 
