@@ -134,6 +134,13 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
     eos = base.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     batches = encode_batches(tokenizer, prompts, batch_size, base.device)
+
+    def run(fn, k: int) -> tuple[torch.Tensor, int, float]:
+        """One method on batch k, seeded by k: its output, new tokens and seconds."""
+        torch.manual_seed(k)
+        out, seconds = timed(lambda: fn(batches[k]), base.device)
+        return out, sum(_generated_lengths(out, batches[k]["input_ids"].shape[1], eos)), seconds
+
     for inputs in batches[:warmup]:
         for fn in methods.values():
             fn(inputs)
@@ -141,11 +148,9 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
         prompt_len = inputs["input_ids"].shape[1]
         reference = None
         for name, fn in methods.items():
-            torch.manual_seed(k)
-            out, seconds = timed(lambda: fn(inputs), base.device)
+            out, tokens, seconds = run(fn, k)
             r = results[name]
             r.seconds += seconds
-            tokens = sum(_generated_lengths(out, prompt_len, eos))
             r.new_tokens += tokens
             r.prompt_rates.append(tokens / seconds)
             r.prompts += out.shape[0]
@@ -168,15 +173,14 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
             f"{n}: {r.tokens_per_second:.1f} tok/s" for n, r in results.items()))
     plain = results["plain generate"].prompt_rates
     slow = sorted({k for r in results.values() for k, (a, b) in enumerate(zip(r.prompt_rates, plain))
-                   if a / b < recheck_below})
-    for k in slow if recheck else []:
+                   if a / b < recheck_below}) if recheck else []
+    for k in slow:
         for name in methods:
             results[name].rechecked[k] = [results[name].prompt_rates[k]]
         for _ in range(recheck):
             for name, fn in methods.items():
-                torch.manual_seed(k)
-                out, seconds = timed(lambda: fn(batches[k]), base.device)
-                results[name].rechecked[k].append(sum(_generated_lengths(out, batches[k]["input_ids"].shape[1], eos)) / seconds)
+                _, tokens, seconds = run(fn, k)
+                results[name].rechecked[k].append(tokens / seconds)
         log(f"[recheck {k + 1}] " + "  ".join(f"{n}: {statistics.median(r.rechecked[k]):.1f} tok/s" for n, r in results.items()))
     return results
 

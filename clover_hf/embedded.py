@@ -64,6 +64,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
         ) from None
 
 
+def _conversion_dir(root: Path, dtype: torch.dtype) -> Path:
+    return root / f"smollm2-135m-instruct-{_dtype_name(dtype)}"
+
+
 def base_model_path(dtype: torch.dtype = torch.float32, cache_dir: str | Path | None = None) -> Path:
     """Return a safetensors model directory for the embedded base model in ``dtype``.
 
@@ -74,9 +78,8 @@ def base_model_path(dtype: torch.dtype = torch.float32, cache_dir: str | Path | 
     Load the result with ``AutoModelForCausalLM.from_pretrained(path)`` and
     ``AutoTokenizer.from_pretrained(path)``.
     """
-    name = _dtype_name(dtype)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    target = root / f"smollm2-135m-instruct-{name}"
+    target = _conversion_dir(root, dtype)
     if (target / MARKER_FILE).is_file():
         return target
     if target.exists():
@@ -87,7 +90,7 @@ def base_model_path(dtype: torch.dtype = torch.float32, cache_dir: str | Path | 
 
     gguf_path = find_gguf()
     # The GGUF path dequantizes to float32 and casts, so a float32 copy already made casts to the same weights.
-    float32 = root / f"smollm2-135m-instruct-{_DTYPE_NAMES[torch.float32]}"
+    float32 = _conversion_dir(root, torch.float32)
     source = float32 if dtype != torch.float32 and (float32 / MARKER_FILE).is_file() else None
     if source is None and importlib.util.find_spec("gguf") is None:
         raise ImportError("Converting the embedded GGUF model needs the 'gguf' package. Fix: pip install gguf")

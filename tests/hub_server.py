@@ -132,6 +132,16 @@ class HubServer:
         repo.branches[branch] = sha
         return sha
 
+    def seed(self, repo_id: str, folder: str | Path, title: str = "seed") -> str:
+        """Put a folder into a public model repo as one commit, straight into the store: for files larger
+        than one upload request may carry (a base model). Returns the commit."""
+        folder = Path(folder)
+        files = {p.relative_to(folder).as_posix(): self._put_blob(p.read_bytes())
+                 for p in sorted(folder.rglob("*")) if p.is_file()}
+        with self._lock:
+            repo = self.repos.setdefault(("model", repo_id), _Repo(private=False))
+            return self._commit(repo, "main", files, title)
+
     def repo_url(self, rtype: str, repo_id: str) -> str:
         return f"{self.url}/{_PREFIX[rtype]}{repo_id}"
 

@@ -15,19 +15,14 @@ from clover_hf.heads import CloverHeads
 from clover_hf.training import Trainer, TrainConfig
 from clover_hf.tree import build_tree
 
-from .tiny import prompt, same, tiny_model
+from .tiny import prompt, random_heads, same, tiny_model
 
 
 def random_clover(base, draft_vocab: int | None = None, seed: int = 0) -> CloverForCausalLM:
-    """Clover heads with random weights: fresh ones start near the identity and draft one token everywhere."""
-    model = CloverForCausalLM.from_base(base, draft_vocab_size=draft_vocab)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.clover_heads.named_parameters():
-            if "norm" not in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-        if draft_vocab:
-            model.clover_heads.draft_token_ids.copy_(torch.randperm(base.config.vocab_size, generator=g)[:draft_vocab])
+    """Random Clover heads; with a draft vocabulary, a random one."""
+    model, g = random_heads(base, seed, draft_vocab_size=draft_vocab)
+    if draft_vocab:
+        model.clover_heads.draft_token_ids.copy_(torch.randperm(base.config.vocab_size, generator=g)[:draft_vocab])
     return model
 
 

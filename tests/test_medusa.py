@@ -17,17 +17,13 @@ from clover_hf.training import Trainer, TrainConfig
 from clover_hf.tree import build_tree
 
 from .test_training import _args, _chats
-from .tiny import ARCHS, CHAT_TEMPLATE, byte_tokenizer, check_stats, left_padded, prompt, same, save_tiny_base, tiny_model
+from .tiny import (ARCHS, CHAT_TEMPLATE, byte_tokenizer, check_stats, left_padded, prompt, random_heads, same,
+                   save_tiny_base, tiny_model)
 
 
 def medusa_model(base, seed: int = 0, **config) -> CloverForCausalLM:
     """Medusa heads with random weights (fresh ones are the identity and would all draft the same token)."""
-    model = CloverForCausalLM.from_base(base, head_type="medusa", **config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.clover_heads.parameters():
-            p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    return model
+    return random_heads(base, seed, head_type="medusa", **config)[0]
 
 
 @pytest.mark.parametrize("lookup", [0, 6])

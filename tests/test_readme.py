@@ -23,7 +23,7 @@ from clover_hf.embedded import DEFAULT_BASE_NAME, MARKER_FILE, base_model_path, 
 from clover_hf.hardware import default_dtype
 from clover_hf.hub import HEADS_FILES
 
-from .hub_server import HubServer, _Repo
+from .hub_server import HubServer
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 HUB_MARK = "# needs: hub"
@@ -62,20 +62,10 @@ def embedded_base(cache_root) -> Path:
     return path
 
 
-def seed_repo(server: HubServer, repo_id: str, folder: Path) -> None:
-    """Put a folder into the test Hub as one commit of a new public repo, written straight into the server's
-    store: a base model is larger than the server takes in one upload request."""
-    files = {p.relative_to(folder).as_posix(): server._put_blob(p.read_bytes())
-             for p in sorted(folder.rglob("*")) if p.is_file()}
-    with server._lock:
-        repo = server.repos.setdefault(("model", repo_id), _Repo(private=False))
-        server._commit(repo, "main", files, "upload the base model")
-
-
 @pytest.fixture
 def readme_hub(hub_server, embedded_base) -> HubServer:
     """The test Hub holding the base and the heads that the README's Hub blocks load."""
-    seed_repo(hub_server, DEFAULT_BASE_NAME, embedded_base)
+    hub_server.seed(DEFAULT_BASE_NAME, embedded_base, "upload the base model")  # larger than one upload request
     create_repo(HEADS_REPO)
     upload_folder(repo_id=HEADS_REPO, folder_path=shipped_heads_path(), allow_patterns=HEADS_FILES)
     return hub_server

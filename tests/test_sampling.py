@@ -120,6 +120,15 @@ def exact_three_token_distribution(base, ids, temperature: float, top_k: int) ->
     return out
 
 
+def first_two(weights: dict) -> Counter:
+    """(position, token) -> summed weight, for the first two tokens of 3-token continuations."""
+    out = Counter()
+    for seq, w in weights.items():
+        for k in range(2):
+            out[k, seq[k]] += w
+    return out
+
+
 @pytest.mark.parametrize("arch, n, shift", [("llama", 2000, 0.06)])
 def test_clover_sampling_matches_the_base_distribution(arch, n, shift):
     """End to end: 3-token continuations sampled by Clover (oracle heads drafting the greedy path, so
@@ -147,17 +156,10 @@ def test_clover_sampling_matches_the_base_distribution(arch, n, shift):
         accepted += clover.generation_stats.accepted_lengths
     assert 0 in accepted and max(accepted) >= 2  # rejections and multi-token acceptances both happened
     assert set(counts) <= set(exact)  # never a continuation the base cannot sample
-    marginals = {}  # (position, token) -> probability, for the first two tokens
-    for seq, p in exact.items():
-        for k in range(2):
-            marginals[k, seq[k]] = marginals.get((k, seq[k]), 0.0) + p
+    marginals = first_two(exact)
     z = binomial_z(len(exact) + len(marginals))
     assert_marginals(counts, exact, n, z, "continuations")
-    observed = Counter()
-    for seq, c in counts.items():
-        for k in range(2):
-            observed[k, seq[k]] += c
-    assert_marginals(observed, marginals, n, z, "marginals")
+    assert_marginals(first_two(counts), marginals, n, z, "marginals")
     assert detectable_shift(n, z) <= shift
 
 

@@ -196,3 +196,15 @@ def check_stats(stats, new_tokens: int) -> None:
     assert len(accepted) == stats.steps - 1
     assert 1 + sum(a + 1 for a in accepted[:-1]) < new_tokens <= 1 + sum(a + 1 for a in accepted)
     assert stats.verified_tokens >= len(accepted) + sum(accepted)  # every accepted draft was verified
+
+
+def random_heads(base: PreTrainedModel, seed: int = 0, **config_kwargs) -> tuple[CloverForCausalLM, torch.Generator]:
+    """Heads (Clover's, or `head_type="medusa"`) with random weights, norms left at one: fresh ones start
+    near the identity and draft one token everywhere. Returns the generator too, for further draws."""
+    model = CloverForCausalLM.from_base(base, **config_kwargs)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.clover_heads.named_parameters():
+            if "norm" not in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return model, g
