@@ -141,6 +141,10 @@ def save_costs(key: str, costs: CostModel, cache_dir: str | Path | None = None) 
 
 HEAD_BINS = 10  # the heads' probabilities are calibrated in this many equal bins per depth
 PRIOR_WEIGHT = 2.0  # a bucket's prior counts as this many observed nodes
+RECENT_DECAY = 0.98  # per verify step, the weight the text's earlier steps keep in its recent-acceptance factor
+RECENT_PRIOR = 4.0  # the recent factor starts as if this many nodes had been accepted as expected
+RECENT_RANGE = (0.25, 4.0)  # bounds of the recent factor
+MAX_RATE = 0.99
 
 
 class AcceptanceModel:
@@ -150,6 +154,11 @@ class AcceptanceModel:
     length of the n-gram that found the chain and its depth in the chain. Each bucket starts from a
     prior (the bin's probability; for chains, more for longer n-grams) and learns from every node
     verified under an accepted parent.
+
+    Texts differ: one copies its prompt for a while, another is new wording the heads rarely guess.
+    So each source (heads, chain) also carries a recent factor, accepted / expected over the current
+    text's last steps (decaying by `RECENT_DECAY` a step), that scales its buckets' rates;
+    `start_text` resets it when a `generate` call begins.
     """
 
     def __init__(self, depth: int, chain: int, max_ngram: int = 3) -> None:
@@ -159,6 +168,22 @@ class AcceptanceModel:
         self.prior = torch.cat([head_prior, chain_prior]).double()
         self.hits = torch.zeros_like(self.prior)
         self.trials = torch.zeros_like(self.prior)
+        self.recent = torch.zeros(2, 2, dtype=torch.float64)  # (heads, chain) x (accepted, expected)
+
+    def start_text(self) -> None:
+        """Forget the recent factor: a new text begins."""
+        self.recent.zero_()
+
+    def recent_factors(self) -> torch.Tensor:
+        """(2,) accepted / expected over recent steps, for the heads' nodes and the chain's."""
+        accepted, expected = self.recent.unbind(1)
+        return ((accepted + RECENT_PRIOR) / (expected + RECENT_PRIOR)).clamp(*RECENT_RANGE)
+
+    def _base_rates(self, buckets: torch.Tensor) -> torch.Tensor:
+        return ((self.hits + PRIOR_WEIGHT * self.prior) / (self.trials + PRIOR_WEIGHT))[buckets.clamp(min=0)]
+
+    def _is_chain(self, buckets: torch.Tensor) -> torch.Tensor:
+        return buckets >= self.depth * HEAD_BINS
 
     def buckets(self, depths: torch.Tensor, probs: torch.Tensor, is_chain: torch.Tensor, ngram: int) -> torch.Tensor:
         """(N,) bucket of each node of a drafted tree: depths (N,), the heads' probabilities (N,) and
@@ -170,15 +195,20 @@ class AcceptanceModel:
         return torch.where(depths == 0, -1, torch.where(is_chain, chain, head))
 
     def rates(self, buckets: torch.Tensor) -> torch.Tensor:
-        """(N,) chances for buckets (N,) on the CPU; -1 (the root) is certain."""
-        rate = (self.hits + PRIOR_WEIGHT * self.prior) / (self.trials + PRIOR_WEIGHT)
-        return torch.where(buckets < 0, 1.0, rate[buckets.clamp(min=0)])
+        """(N,) chances for buckets (N,) on the CPU, scaled by the recent factors; -1 (the root) is certain."""
+        factor = self.recent_factors()[self._is_chain(buckets).long()]
+        rate = (self._base_rates(buckets) * factor).clamp(max=MAX_RATE)
+        return torch.where(buckets < 0, 1.0, rate)
 
     def observe(self, buckets: torch.Tensor, tried: torch.Tensor, accepted: torch.Tensor) -> None:
         """Count the nodes `tried` (their parent was accepted) and which of them were `accepted` (CPU)."""
         tried = tried & (buckets >= 0)
-        self.trials.index_add_(0, buckets[tried], torch.ones_like(buckets[tried], dtype=self.trials.dtype))
         hit = tried & accepted
+        chain = self._is_chain(buckets).long()
+        self.recent *= RECENT_DECAY
+        self.recent[:, 0].index_add_(0, chain[hit], torch.ones_like(chain[hit], dtype=self.recent.dtype))
+        self.recent[:, 1].index_add_(0, chain[tried], self._base_rates(buckets[tried]))
+        self.trials.index_add_(0, buckets[tried], torch.ones_like(buckets[tried], dtype=self.trials.dtype))
         self.hits.index_add_(0, buckets[hit], torch.ones_like(buckets[hit], dtype=self.hits.dtype))
 
 

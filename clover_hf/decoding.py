@@ -446,6 +446,7 @@ def clover_generate(
         measure = _measure_verify(model, cache, positions, layout, active[0].root)
         costs = clover_budget.costs(key, len(active), widest, measure, clover_calibrate)
         acceptance = clover_budget.acceptance(sample, depth, lookup_max)
+        acceptance.start_text()
     budgeted = costs is not None
 
     clock = _Clock(stats.stage_seconds if clover_profile else None, device)

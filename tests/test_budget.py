@@ -99,10 +99,36 @@ def test_acceptance_learns_per_bucket():
     for _ in range(50):  # the confident depth-1 head node is never right; the chain always is
         model.observe(buckets, tried=torch.ones(6, dtype=torch.bool),
                       accepted=torch.tensor([True, False, False, False, True, True]))
+    model.start_text()  # a new text: only what the buckets learnt is left
     after = model.rates(buckets)
     assert after[1] < 0.05 and after[4] > 0.95 and after[5] > 0.95
     untried = model.rates(model.buckets(torch.tensor([2]), torch.tensor([0.95]), torch.tensor([False]), 0))
     assert untried.item() == pytest.approx(0.95)  # another bucket keeps its prior
+
+
+def test_recent_factor_follows_the_text_per_source():
+    model = AcceptanceModel(depth=2, chain=4)
+    depths = torch.tensor([0, 1, 1, 2])
+    is_chain = torch.tensor([False, False, True, True])
+    buckets = model.buckets(depths, torch.tensor([1.0, 0.15, 1.0, 1.0]), is_chain, ngram=1)
+    tried = torch.tensor([True, True, True, False])
+    for _ in range(100):  # earlier texts: the head node failed half the time, the chain held
+        for head_hit in (True, False):
+            model.observe(buckets, tried=tried, accepted=torch.tensor([True, head_hit, True, False]))
+    model.start_text()
+    base = model.rates(buckets)
+    for _ in range(10):  # this text: the chain's first node always fails, the head node always holds
+        model.observe(buckets, tried=tried, accepted=torch.tensor([True, True, False, False]))
+    heads, chain = model.recent_factors().tolist()
+    assert heads > 1.3 and chain < 0.5
+    now = model.rates(buckets)
+    assert now[1] > base[1] and now[2] < base[2] and now[3] < base[3]  # untried chain depth 2 follows its source
+    assert now[0] == 1.0 and (now[1:] <= 0.99).all()
+    for _ in range(200):  # plain steps (nothing tried): the factors drift back towards 1
+        model.observe(buckets, tried=torch.zeros(4, dtype=torch.bool), accepted=torch.zeros(4, dtype=torch.bool))
+    assert model.recent_factors().tolist() == pytest.approx([1.0, 1.0], abs=0.05)
+    model.start_text()
+    assert model.recent_factors().tolist() == [1.0, 1.0]
 
 
 def test_path_chances_multiply_along_paths():
