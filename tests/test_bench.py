@@ -135,3 +135,12 @@ def test_slowest_prompts_reports_the_first_timing_and_the_median_of_rechecks():
     assert lines[1] == ("clover, the 1 prompts below 0.9x of any method timed 3 times each (median): "
                         "slowest prompt 0.95x plain (prompt 3), 0 of 3 prompts below 0.9x")
     assert lines[2] == "plain generate on those prompts: its own fastest and slowest timing differ by up to 1.22x"
+
+
+def test_slowest_prompts_name_outputs_of_another_length():
+    """A shorter output shares the prefill among fewer tokens: the report says so beside the ratio."""
+    plain = MethodResult("plain generate", prompt_rates=[10.0, 10.0, 10.0], prompt_tokens=[128, 128, 128])
+    clover = MethodResult("clover", prompt_rates=[5.0, 8.5, 12.0], prompt_tokens=[20, 128, 128])
+    line = slowest_prompts({"plain generate": plain, "clover": clover})
+    assert line == ("clover: slowest prompt 0.50x plain (prompt 1: 20 new tokens against plain's 128), "
+                    "2 of 3 prompts below 0.9x (1 of them with an output of another length than plain's)")
