@@ -116,10 +116,18 @@ def _clover_words(config: CloverConfig) -> dict[str, str]:
             "Where this departs from Clover-2's public code: the Augmenting Block has "
             f"{config.num_augment_layers} layer(s) (Clover-2: 2),\n"
             "initialised from the base's last decoder layer where names and shapes match, as a Llama-style layer\n"
-            "without biases or q/k norms, and its final norm starts at ones (Clover-2: the base's final norm);\n"
-            "head *i* is norm(s + SiLU(FC([s; e]))) with FC starting at zero (Clover-2: norm(FC([s; e])))."
+            "without biases or q/k norms (its final norm starts at ones unless the training facts below say it\n"
+            "started from the base's final norm, as in Clover-2); " + _output_head_words(config)
         ),
     )
+
+
+def _output_head_words(config: CloverConfig) -> str:
+    if config.output_head == "linear":
+        return ("the output heads are Clover-2's: norm(W0 s) for the\nfirst head, one norm(W [s; e]) shared by the "
+                "others, W starting near the identity.")
+    return ("head *i* is norm(s + SiLU(FC([s; e]))) with FC starting at zero\n(Clover-2: norm(W0 s) for the first "
+            "head, one norm(W [s; e]) shared by the others).")
 
 
 def _medusa_words(config: CloverConfig) -> dict[str, str]:
@@ -130,9 +138,12 @@ def _medusa_words(config: CloverConfig) -> dict[str, str]:
         architecture_text=(
             "Head *i* maps the base model's last hidden state through its own residual block to the token *i*+2\n"
             "positions ahead, without seeing the tokens drafted before it, so every node of a depth draws from the\n"
-            "same top-k. The heads share the base model's frozen lm_head (restricted to the draft vocabulary) and\n"
-            "were trained with clover-hf's recipe (soft labels plus a feature regression), not Medusa's\n"
-            "cross-entropy alone."
+            "same top-k. " + ("Each head projects to the draft vocabulary with weights of its own, initialised\n"
+                              "from the base model's lm_head rows, as in Medusa-1."
+                              if config.own_lm_heads else
+                              "The heads share the base model's frozen lm_head (restricted to the draft vocabulary),\n"
+                              "where Medusa-1 trains a projection per head.") +
+            " The training facts below give the loss\n(Medusa-1: cross-entropy alone)."
         ),
     )
 
@@ -260,9 +271,28 @@ def _training_facts(metrics: dict[str, Any], training: dict[str, Any]) -> list[s
         if training.get("processes"):
             line += f", {training['processes']} process{'es' if training['processes'] != 1 else ''}"
         facts.append(line)
+    loss = _loss_words(train_cfg)
+    if loss:
+        facts.append(loss)
     if data_cfg.get("base_dtype"):
         facts.append(f"- Base model run in {data_cfg['base_dtype']} for training")
     return facts
+
+
+def _loss_words(train_cfg: dict[str, Any]) -> str | None:
+    """The loss and initialisation the training configuration names, as one fact line."""
+    if "feature_loss_weight" not in train_cfg:
+        return None
+    k = train_cfg.get("label_top_k")
+    labels = ("cross-entropy on the base's top-1 token" if k == 1 else
+              f"cross-entropy on the base's top-{k} tokens, renormalised" if k else
+              "cross-entropy on the base's cached top-k tokens, renormalised")
+    line = f"- Loss per head: {labels}, plus {train_cfg['feature_loss_weight']:g} x SmoothL1 to the base's hidden state"
+    if train_cfg.get("head_decay") is not None:
+        line += f"; head *i* weighted {train_cfg['head_decay']:g}^*i*"
+    if train_cfg.get("init_norms_from_base"):
+        line += "; the Augmenting Block's final norm started from the base's final norm"
+    return line
 
 
 def _data_sources(metrics: dict[str, Any]) -> list[str]:

@@ -10,6 +10,7 @@ from typing import Any
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 HEAD_TYPES = ("clover", "medusa")
+OUTPUT_HEADS = ("residual", "linear")
 
 
 def check_head_type(head_type: str) -> None:
@@ -105,6 +106,17 @@ class CloverConfig:
         default="clover",
         metadata={"help": "'clover', or 'medusa' for the Medusa-1 baseline heads (same loading, training, decoding)."},
     )
+    output_head: str = field(
+        default="residual",
+        metadata={"help": "Clover's output heads. 'residual': head i is norm_i(s + SiLU(FC_i([s; e]))); 'linear': "
+                          "Clover-2's public code, norm(W0 s) for the first head and one norm(W [s; e]) shared by "
+                          "the others, W starting near the identity."},
+    )
+    own_lm_heads: bool = field(
+        default=False,
+        metadata={"help": "Medusa only: each head projects to the draft vocabulary with its own weights, initialised "
+                          "from the base's lm_head rows (Medusa-1 proper). False: the heads share the base's lm_head."},
+    )
     model_type: str = field(default="clover", metadata={"help": "Marks a Clover heads config."})
 
     def __post_init__(self) -> None:
@@ -132,6 +144,13 @@ class CloverConfig:
         self.dynamic_tree = self._checked_dynamic_tree("dynamic_tree")
         self.accelerator_dynamic_tree = self._checked_dynamic_tree("accelerator_dynamic_tree")
         check_head_type(self.head_type)
+        if self.output_head not in OUTPUT_HEADS:
+            raise ValueError(f"output_head must be one of {OUTPUT_HEADS}, got {self.output_head!r}")
+        if self.head_type != "clover" and self.output_head != "residual":
+            raise ValueError(f"output_head={self.output_head!r} is a form of Clover's heads; {self.head_type} heads "
+                             "have their own: drop output_head")
+        if self.head_type != "medusa" and self.own_lm_heads:
+            raise ValueError("own_lm_heads is Medusa-1's per-head vocabulary projection: use it with head_type='medusa'")
         for name in ("dynamic_tree", "accelerator_dynamic_tree"):
             if self.head_type == "medusa" and getattr(self, name) is not None:
                 raise ValueError(f"Medusa heads draft static trees only: drop {name} and give `tree` (paths)")
@@ -164,6 +183,9 @@ class CloverConfig:
             del data["accelerator_dynamic_tree"]
         if data["head_dim"] * data["num_attention_heads"] == data["hidden_size"]:  # and before head_dim
             del data["head_dim"]
+        for name, default in (("output_head", "residual"), ("own_lm_heads", False)):  # and before these
+            if data[name] == default:
+                del data[name]
         return data
 
     @classmethod

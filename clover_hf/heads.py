@@ -150,6 +150,31 @@ class OutputHead(nn.Module):
         return self.norm(s + F.silu(self.fc(torch.cat([s, e], dim=-1))))
 
 
+def _near_identity(weight: torch.Tensor, spread: float = 0.01) -> None:
+    """Clover-2's start for a square or [I | ...] weight: U(0, spread) plus the identity on its first columns."""
+    nn.init.uniform_(weight, 0.0, spread)
+    weight[:, : weight.shape[0]] += torch.eye(weight.shape[0], dtype=weight.dtype, device=weight.device)
+
+
+class LinearOutputHeads(nn.Module):
+    """Clover-2's output heads (its public code): norm(W0 s) for the first head, norm(W [s; e]) with one W
+    shared by the others, one norm for all; both W start near the identity on s."""
+
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.first = nn.Linear(h, h)
+        self.later = nn.Linear(2 * h, h)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        with torch.no_grad():
+            for fc in (self.first, self.later):
+                _near_identity(fc.weight)
+                nn.init.zeros_(fc.bias)
+
+    def forward(self, i: int, s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.first(s) if i == 0 else self.later(torch.cat([s, e], dim=-1)))
+
+
 @dataclass(frozen=True, eq=False)
 class DraftLMHead:
     """The base lm_head's rows that the heads draft from: logits = hidden @ weight.T (+ bias)."""
@@ -241,9 +266,16 @@ class DraftHeads(nn.Module):
             self._lm_head_rows = ([_watch(t) for t in sources], int8, rows)
         return self._lm_head_rows[2]
 
-    def init_from_base(self, base_model: nn.Module) -> bool:
+    def init_from_base(self, base_model: nn.Module, norms: bool = False) -> bool:
         """Copy what fits from the base into fresh heads; returns whether anything was copied."""
         return False
+
+    def init_projections(self, lm_head: nn.Module) -> None:
+        """Start projections of their own from the base's lm_head rows (once the draft vocabulary is chosen)."""
+
+    def head_logits(self, i: int, hidden: torch.Tensor, lm_head: DraftLMHead) -> torch.Tensor:
+        """Logits over the draft vocabulary of head i's output `hidden`: through the base's lm_head rows."""
+        return lm_head(hidden)
 
 
 class CloverHeads(DraftHeads):
@@ -257,7 +289,16 @@ class CloverHeads(DraftHeads):
         self.augment = nn.ModuleList(AugmentLayer(config) for _ in range(config.num_augment_layers))
         self.augment_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.regressive = AttentionDecoder(config)
-        self.heads = nn.ModuleList(OutputHead(config) for _ in range(config.num_heads))
+        if config.output_head == "linear":
+            self.output = LinearOutputHeads(config)
+        else:
+            self.heads = nn.ModuleList(OutputHead(config) for _ in range(config.num_heads))
+
+    def _head(self, i: int, s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """Head i's output features from the state s and the embedding e of the token before its own."""
+        if self.config.output_head == "linear":
+            return self.output(i, s, e)
+        return self.heads[i](s, e)
 
     # -- features -------------------------------------------------------------------------------
     def features(
@@ -288,13 +329,13 @@ class CloverHeads(DraftHeads):
         positions = torch.arange(T, device=hidden.device).expand(B, -1)
         s, _ = self.features(hidden, next_embeds, positions)
         outs = []
-        for i, head in enumerate(self.heads):
+        for i in range(self.config.num_heads):
             L = T - 1 - i
             if L <= 0:
                 break
             e = next_embeds[:, i : i + L].to(s.dtype)  # e(x_{t+1+i})
             s = s[:, :L] if i == 0 else self.regressive(s[:, :L], e)
-            outs.append(head(s, e))
+            outs.append(self._head(i, s, e))
         return outs
 
     @torch.no_grad()
@@ -314,7 +355,7 @@ class CloverHeads(DraftHeads):
         for d, level in enumerate(tree.levels):
             if d > 0:
                 states = self.regressive(states[level.parent_of_expanded], e)
-            top = lm_head(self.heads[d](states, e)).float().softmax(-1).topk(level.k, dim=-1)  # (n_expanded, k)
+            top = lm_head(self._head(d, states, e)).float().softmax(-1).topk(level.k, dim=-1)  # (n_expanded, k)
             ids = top.indices if self.draft_token_ids is None else self.draft_token_ids[top.indices]
             children = ids[level.child_parent, level.child_rank]  # (n_level,)
             drafted.append(children)
@@ -347,7 +388,7 @@ class CloverHeads(DraftHeads):
         for d in range(depth):
             if d > 0:
                 states = self.regressive(states, e)
-            logp = lm_head(self.heads[d](states, e)).float().log_softmax(-1)
+            logp = lm_head(self._head(d, states, e)).float().log_softmax(-1)
             top = logp.topk(width, dim=-1)  # (F, width)
             ids = top.indices if self.draft_token_ids is None else self.draft_token_ids[top.indices]
             joint = (path_logp[:, None] + top.values).flatten()
@@ -365,14 +406,21 @@ class CloverHeads(DraftHeads):
 
     # -- initialisation ----------------------------------------------------------------------
     @torch.no_grad()
-    def init_from_base(self, base_model: nn.Module) -> bool:
-        """Copy the base's last decoder layer into the Augmenting Block where names and shapes match.
-
-        Clover-2 initialises its Augmenting Block this way; returns whether anything was copied.
+    def init_from_base(self, base_model: nn.Module, norms: bool = False) -> bool:
+        """Copy the base's last decoder layer into the Augmenting Block where names and shapes match,
+        and with `norms` the base's final norm into the block's final norm (and the linear output
+        heads' norm). Clover-2 initialises both this way; returns whether anything was copied.
         """
         layers = _decoder_layers(base_model)
         if layers is None:
             return False
+        gemma = str(getattr(base_model.config, "model_type", "")).startswith("gemma")
+        final = _final_norm(base_model)
+        if norms and final is not None and not gemma:  # Gemma's RMSNorm scales by (1 + w): not ours
+            targets = [self.augment_norm] + ([self.output.norm] if self.config.output_head == "linear" else [])
+            for norm in targets:
+                if norm.weight.shape == final.weight.shape:
+                    norm.weight.copy_(final.weight)
         src = dict(layers[-1].named_parameters())
         names = {
             "input_layernorm.weight": "input_layernorm.weight",
@@ -385,8 +433,7 @@ class CloverHeads(DraftHeads):
             "up_proj.weight": "mlp.up_proj.weight",
             "down_proj.weight": "mlp.down_proj.weight",
         }
-        if str(getattr(base_model.config, "model_type", "")).startswith("gemma"):
-            # Gemma's RMSNorm scales by (1 + w): its weights do not transfer to ours.
+        if gemma:  # Gemma's RMSNorm scales by (1 + w): its weights do not transfer to ours.
             names = {k: v for k, v in names.items() if "layernorm" not in k}
         copied = False
         for layer in self.augment:
@@ -416,14 +463,35 @@ class MedusaHeads(DraftHeads):
 
     Head i maps the base's last hidden state at t through one residual block to the token at t+2+i,
     independently of the tokens drafted before it: every node of a depth draws from the same top-k.
-    As built here they share the base's lm_head and Clover's draft vocabulary, and train with the
-    same recipe and data (soft labels plus feature regression, not Medusa's cross-entropy alone), so
-    a comparison isolates the heads' architecture.
+    By default they share the base's lm_head and Clover's draft vocabulary, so that a comparison
+    with Clover trained by the same recipe isolates the heads' architecture. With
+    `config.own_lm_heads` each head projects to the draft vocabulary with weights of its own,
+    initialised from the base's lm_head rows, as in Medusa-1 proper.
     """
 
     def __init__(self, config: CloverConfig) -> None:
         super().__init__(config)
         self.heads = nn.ModuleList(ResBlock(config.hidden_size) for _ in range(config.num_heads))
+        if config.own_lm_heads:
+            rows = config.draft_vocab_size or config.vocab_size
+            self.lm_heads = nn.ModuleList(nn.Linear(config.hidden_size, rows, bias=False)
+                                          for _ in range(config.num_heads))
+
+    @torch.no_grad()
+    def init_projections(self, lm_head: nn.Module) -> None:
+        """Each head's own projection starts as the base's lm_head rows of the draft vocabulary."""
+        if not self.config.own_lm_heads:
+            return
+        rows = self.draft_lm_head(lm_head)
+        if rows.bias is not None:
+            raise ValueError("own_lm_heads starts from the base's lm_head, which has a bias here; this is not supported")
+        for proj in self.lm_heads:
+            proj.weight.copy_(rows.weight)
+
+    def head_logits(self, i: int, hidden: torch.Tensor, lm_head: DraftLMHead) -> torch.Tensor:
+        if self.config.own_lm_heads:
+            return self.lm_heads[i](hidden.to(self.lm_heads[i].weight.dtype))
+        return lm_head(hidden)
 
     def features(
         self,
@@ -453,8 +521,11 @@ class MedusaHeads(DraftHeads):
         """Draft the tree's tokens (num_nodes - 1,): the node of rank r at depth d is head d's r-th
         token; and each token's probability under its head (num_nodes - 1,)."""
         depth = len(tree.levels)
-        states = torch.stack([head(feature) for head in self.heads[:depth]])  # (D, H)
-        probs = lm_head(states).float().softmax(-1)
+        states = [head(feature) for head in self.heads[:depth]]
+        if self.config.own_lm_heads:
+            probs = torch.stack([self.head_logits(d, h, lm_head) for d, h in enumerate(states)]).float().softmax(-1)
+        else:
+            probs = lm_head(torch.stack(states)).float().softmax(-1)  # (D, V'), one product for all heads
         drafted, chances = [], []
         for d, level in enumerate(tree.levels):
             top = probs[d].topk(level.k)
@@ -467,6 +538,13 @@ class MedusaHeads(DraftHeads):
 def build_heads(config: CloverConfig) -> DraftHeads:
     """Fresh heads of the kind `config.head_type` names."""
     return MedusaHeads(config) if config.head_type == "medusa" else CloverHeads(config)
+
+
+def _final_norm(base_model: nn.Module) -> nn.Module | None:
+    """The base's norm after its last decoder layer, where it is an RMSNorm (the heads' kind of norm)."""
+    inner = getattr(base_model, "model", None) or getattr(base_model, "transformer", None)
+    norm = getattr(inner, "norm", None)
+    return norm if norm is not None and "RMSNorm" in type(norm).__name__ else None
 
 
 def _decoder_layers(base_model: nn.Module) -> nn.ModuleList | None:

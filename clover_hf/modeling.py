@@ -111,14 +111,23 @@ class CloverForCausalLM(nn.Module):
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
-    def from_base(cls, base_model: PreTrainedModel, init_from_base: bool = True, **config_kwargs: Any) -> "CloverForCausalLM":
-        """Wrap a loaded base with freshly initialised heads (the starting point of training)."""
+    def from_base(cls, base_model: PreTrainedModel, init_from_base: bool = True, init_norms_from_base: bool = False,
+                  **config_kwargs: Any) -> "CloverForCausalLM":
+        """Wrap a loaded base with freshly initialised heads (the starting point of training).
+
+        `init_from_base` starts the Augmenting Block from the base's last decoder layer, and
+        `init_norms_from_base` its final norm from the base's final norm (both as Clover-2 does);
+        `config_kwargs` are `CloverConfig` fields. Medusa heads with `own_lm_heads` start their
+        projections from the base's lm_head here, and again (`init_projections`) once a draft
+        vocabulary is chosen.
+        """
         check_supported(base_model.config)
         name = getattr(base_model.config, "_name_or_path", None) or None
         config_kwargs.setdefault("base_model_name_or_path", name)
         config = CloverConfig.for_base(base_model.config, **config_kwargs)
         heads = build_heads(config)
-        if init_from_base and isinstance(heads, CloverHeads) and not heads.init_from_base(base_model):
+        heads.init_projections(base_model.get_output_embeddings())
+        if init_from_base and isinstance(heads, CloverHeads) and not heads.init_from_base(base_model, init_norms_from_base):
             warnings.warn(f"nothing of {name or 'the base'}'s last decoder layer fits the Augmenting Block (no "
                           "matching names and shapes): it starts from random weights", stacklevel=2)
         heads.to(device=base_model.device, dtype=base_model.dtype)

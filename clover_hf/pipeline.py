@@ -125,18 +125,21 @@ def prepare_features(data: DataConfig, out: Path, accelerator: Accelerator, log=
     return base, tokenizer, FeatureSet.load(feature_dir, *data.extra_features)
 
 
-def warm_start(heads: DraftHeads, source: str) -> None:
-    """Copy trained weights into freshly built `heads`; the draft vocabulary is chosen anew from the data."""
+def warm_start(heads: DraftHeads, source: str, keep_vocabulary: bool = False) -> None:
+    """Copy trained weights into freshly built `heads`. Their draft vocabulary stays the one chosen
+    from this run's data, unless `keep_vocabulary` (then the source's comes too)."""
     start = load_heads(resolve_heads(source))
     ours, theirs = heads.config, start.config
-    sizes = ["head_type", "hidden_size", "vocab_size", "num_heads"]
+    sizes = ["head_type", "hidden_size", "vocab_size", "num_heads", "output_head", "own_lm_heads"]
+    if keep_vocabulary:
+        sizes.append("draft_vocab_size")
     if ours.head_type == "clover":
         sizes += ["num_augment_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size"]
     for name in sizes:
         if getattr(ours, name) != getattr(theirs, name):
             raise ValueError(f"--init-heads {source} has {name}={getattr(theirs, name)} but this run builds "
                              f"{name}={getattr(ours, name)}; pass matching --head-type/--num-heads/--num-augment-layers or drop --init-heads")
-    state = {k: v for k, v in start.state_dict().items() if k != "draft_token_ids"}
+    state = {k: v for k, v in start.state_dict().items() if keep_vocabulary or k != "draft_token_ids"}
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if unexpected or set(missing) - {"draft_token_ids"}:
         raise ValueError(f"--init-heads {source} does not fit this run: missing {missing[:5]}, unexpected {unexpected[:5]}")
@@ -155,14 +158,16 @@ def train_heads(data: DataConfig, train: TrainConfig, push_to_hub: str | None = 
         base, num_heads=train.num_heads, num_augment_layers=train.num_augment_layers, head_type=train.head_type,
         draft_vocab_size=train.draft_vocab_size if train.draft_vocab_size and train.draft_vocab_size < base.config.vocab_size else None,
         base_model_name_or_path=data.base_model, base_revision=data.base_revision,
+        output_head=train.output_head, own_lm_heads=train.own_lm_heads, init_norms_from_base=train.init_norms_from_base,
     )
     heads = clover.clover_heads.float()
-    if train.init_heads:
-        warm_start(heads, train.init_heads)
-        log(f"starting from the heads in {train.init_heads}")
     vocab = choose_draft_vocab(features.token_counts(clover.clover_config.vocab_size), clover.clover_config.draft_vocab_size)
     if vocab is not None:
         heads.draft_token_ids.copy_(vocab)
+    heads.init_projections(base.get_output_embeddings())
+    if train.init_heads:  # heads with projections of their own keep the draft vocabulary those were trained on
+        warm_start(heads, train.init_heads, keep_vocabulary=train.own_lm_heads)
+        log(f"starting from the heads in {train.init_heads}")
     trainer = Trainer(train, heads, base, features, accelerator)
     final = trainer.train(log)
     heads_dir = out / "heads"

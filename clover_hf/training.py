@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from .config import check_head_type
 from .features import FeatureSet
-from .heads import DraftHeads
+from .heads import DraftHeads, DraftLMHead
 
 RANKS = 10  # evaluation records where the base's top-1 falls among each head's top-10 (shapes the tree)
 
@@ -33,6 +33,19 @@ class TrainConfig:
     num_heads: int = field(default=4, metadata={"help": "Draft depth."})
     num_augment_layers: int = field(default=1, metadata={"help": "Decoder layers in the Augmenting Block."})
     head_type: str = field(default="clover", metadata={"help": "clover, or medusa (the Medusa-1 baseline heads)."})
+    output_head: str = field(
+        default="residual", metadata={"help": "Clover's output heads: residual, or linear (Clover-2's public code)."}
+    )
+    init_norms_from_base: bool = field(
+        default=False, metadata={"help": "Start the Augmenting Block's final norm from the base's final norm (Clover-2)."}
+    )
+    own_lm_heads: bool = field(
+        default=False, metadata={"help": "Medusa: a vocabulary projection per head, from the base's lm_head (Medusa-1)."}
+    )
+    label_top_k: int | None = field(
+        default=None, metadata={"help": "Soft labels from the base's top-k tokens, renormalised (1: its top-1 alone, "
+                                        "as cross-entropy on hard labels; None: all the k cached)."}
+    )
     draft_vocab_size: int | None = field(default=8192, metadata={"help": "Frequent tokens to draft from (None: all)."})
     max_steps: int = field(default=1000, metadata={"help": "Optimizer steps."})
     batch_size: int = field(default=8, metadata={"help": "Sequences per optimizer step, over all processes."})
@@ -59,6 +72,8 @@ class TrainConfig:
         if self.max_steps < 1 or self.batch_size < 1:
             raise ValueError("max_steps and batch_size must be >= 1")
         check_head_type(self.head_type)  # here too, so a bad value fails before features are cached
+        if self.label_top_k is not None and self.label_top_k < 1:
+            raise ValueError(f"label_top_k must be >= 1 (or None: every cached token), got {self.label_top_k}")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
         self.betas = tuple(self.betas)
@@ -86,16 +101,19 @@ def head_losses(
     full_to_draft: torch.Tensor | None,  # (V,) draft index of each token, -1 if absent
     head_decay: float,
     feature_loss_weight: float,
+    label_top_k: int | None = None,
 ) -> tuple[torch.Tensor, list[dict[str, float]]]:
     """Weighted loss over heads and per-head stats (loss, top-1 and top-5 agreement with the base)."""
     h, x = batch["hidden"], batch["input_ids"]  # (B, T, H), (B, T)
     outs = heads(h[:, :-1], embed(x[:, 1:]).to(h.dtype))  # head i: (B, T-2-i, H) at t = 0..T-3-i
+    project = getattr(heads, "module", heads).head_logits  # heads wrapped for DDP keep their methods on .module
+    rows = DraftLMHead(lm_weight, lm_bias)
     total, stats = h.new_zeros(()), []
     for i, u in enumerate(outs):
         L = u.shape[1]
         valid = batch["loss_mask"][:, 2 + i : 2 + i + L]
-        tgt_ids = batch["topk_ids"][:, 1 + i : 1 + i + L][valid]  # (n, k) base's top-k for x_{t+2+i}
-        tgt_p = batch["topk_probs"][:, 1 + i : 1 + i + L][valid]
+        tgt_ids = batch["topk_ids"][:, 1 + i : 1 + i + L][valid][:, :label_top_k]  # (n, k) base's top-k for x_{t+2+i}
+        tgt_p = batch["topk_probs"][:, 1 + i : 1 + i + L][valid][:, :label_top_k]
         if full_to_draft is not None:
             tgt_ids = full_to_draft[tgt_ids]
             tgt_p = tgt_p * (tgt_ids >= 0)
@@ -103,7 +121,7 @@ def head_losses(
         best = tgt_ids[keep][:, 0]  # the base's top-1 as a draft index; -1 when it cannot be drafted
         tgt_ids, tgt_p = tgt_ids[keep].clamp(min=0), tgt_p[keep] / tgt_p[keep].sum(-1, keepdim=True)
         hidden_valid = u[valid][keep]
-        logits = F.linear(hidden_valid, lm_weight, lm_bias).float()  # (n, V')
+        logits = project(i, hidden_valid, rows).float()  # (n, V')
         logp = logits.log_softmax(-1)
         n = max(1, logits.shape[0])  # a batch with no target for this head contributes 0, not NaN
         ce = -(tgt_p * logp.gather(-1, tgt_ids)).sum() / n
@@ -177,7 +195,7 @@ class Trainer:
     def _losses(self, batch):
         return head_losses(
             self.heads, batch, self.embed, self.lm_weight, self.lm_bias, self.full_to_draft,
-            self.config.head_decay, self.config.feature_loss_weight,
+            self.config.head_decay, self.config.feature_loss_weight, self.config.label_top_k,
         )
 
     # -- checkpoints -----------------------------------------------------------------------

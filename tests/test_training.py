@@ -125,6 +125,33 @@ def test_continue_from_heads_with_earlier_features(tiny_base, tmp_path):
         cli_main(_args(tiny_base, more, tmp_path / "third", **{"init-heads": str(first / "heads"), "num-heads": "2"}))
 
 
+@pytest.mark.parametrize("options, config_fields", [
+    ({"output-head": "linear", "init-norms-from-base": None, "feature-loss-weight": "10"}, {"output_head": "linear"}),
+    ({"head-type": "medusa", "own-lm-heads": None, "feature-loss-weight": "0", "label-top-k": "1"},
+     {"head_type": "medusa", "own_lm_heads": True}),
+])
+def test_cli_trains_with_clover2_and_medusa1_options(tiny_base, tmp_path, options, config_fields):
+    """The ablation switches reach the heads, the loss and the card; Medusa-1's own projections keep
+    the draft vocabulary they were trained on when a run continues from them."""
+    first = tmp_path / "first"
+    assert cli_main(_args(tiny_base, _chats(tmp_path / "a.jsonl"), first, **options)) == 0
+    config = json.loads((first / "heads" / "config.json").read_text())
+    assert config_fields.items() <= config.items()
+    card = (first / "heads" / "README.md").read_text()
+    assert "Loss per head" in card
+    clover = CloverForCausalLM.from_pretrained(first / "heads")
+    ids = prompt(3)
+    assert torch.equal(clover.generate(ids, max_new_tokens=20, do_sample=False, budget="full"),
+                       clover.base_model.generate(ids, max_new_tokens=20, do_sample=False))
+    second = tmp_path / "second"
+    more = _chats(tmp_path / "b.jsonl", n=8)  # other data: another draft vocabulary would be chosen
+    assert cli_main(_args(tiny_base, more, second, **options, **{"init-heads": str(first / "heads"), "lr": "0"})) == 0
+    before, after = load_file(first / "heads" / "model.safetensors"), load_file(second / "heads" / "model.safetensors")
+    for name, tensor in before.items():
+        if name != "draft_token_ids" or "own-lm-heads" in options:
+            assert torch.equal(tensor, after[name]), name
+
+
 def test_self_distillation_is_cached_and_resumed(tiny_base, tmp_path):
     out = tmp_path / "run"
     args = _args(tiny_base, _chats(tmp_path / "chats.jsonl", n=8), out, **{
