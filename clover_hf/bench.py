@@ -229,34 +229,34 @@ def slowest_prompts(results: dict[str, MethodResult]) -> str:
         if r.name == "plain generate" or not r.prompt_rates:
             continue
         ratios = [a / b for a, b in zip(r.prompt_rates, base.prompt_rates)]
-        lines.append(f"{r.name}: slowest prompt {min(ratios):.2f}x plain{_prompt_words(r, base, ratios)}, "
-                     f"{sum(x < 0.9 for x in ratios)} of {len(ratios)} prompts below 0.9x{_other_lengths(r, base, ratios)}")
+        lines.append(f"{r.name}: {_ratio_summary(r, base, ratios)}")
         if r.rechecked:
             median = statistics.median
             for k in r.rechecked:
                 ratios[k] = median(r.rechecked[k]) / median(base.rechecked[k])
             times = len(next(iter(r.rechecked.values())))
             lines.append(f"{r.name}, the {len(r.rechecked)} prompts below 0.9x of any method timed {times} times each "
-                         f"(median): slowest prompt {min(ratios):.2f}x plain{_prompt_words(r, base, ratios)}, "
-                         f"{sum(x < 0.9 for x in ratios)} of {len(ratios)} prompts below 0.9x{_other_lengths(r, base, ratios)}")
+                         f"(median): {_ratio_summary(r, base, ratios)}")
     if base.rechecked:
         spread = max(max(v) / min(v) for v in base.rechecked.values())
         lines.append(f"plain generate on those prompts: its own fastest and slowest timing differ by up to {spread:.2f}x")
     return "\n".join(lines)
 
 
-def _prompt_words(r: MethodResult, base: MethodResult, ratios: list[float]) -> str:
-    """" (prompt k)", with both output lengths where they differ."""
+def _ratio_summary(r: MethodResult, base: MethodResult, ratios: list[float]) -> str:
+    """"slowest prompt 0.80x plain (prompt k), n of N prompts below 0.9x", naming outputs of another
+    length than plain's (per-prompt token counts are known only for runs that recorded them)."""
+    def other_length(k: int) -> bool:
+        return k < min(len(r.prompt_tokens), len(base.prompt_tokens)) and r.prompt_tokens[k] != base.prompt_tokens[k]
+
     k = ratios.index(min(ratios))
-    if len(r.prompt_tokens) > k and r.prompt_tokens[k] != base.prompt_tokens[k]:
-        return f" (prompt {k + 1}: {r.prompt_tokens[k]} new tokens against plain's {base.prompt_tokens[k]})"
-    return f" (prompt {k + 1})"
-
-
-def _other_lengths(r: MethodResult, base: MethodResult, ratios: list[float]) -> str:
-    slow = [k for k, x in enumerate(ratios) if x < 0.9 and k < len(r.prompt_tokens)]
-    other = sum(r.prompt_tokens[k] != base.prompt_tokens[k] for k in slow)
-    return f" ({other} of them with an output of another length than plain's)" if other else ""
+    where = f"prompt {k + 1}"
+    if other_length(k):
+        where += f": {r.prompt_tokens[k]} new tokens against plain's {base.prompt_tokens[k]}"
+    slow = [j for j, x in enumerate(ratios) if x < 0.9]
+    text = f"slowest prompt {min(ratios):.2f}x plain ({where}), {len(slow)} of {len(ratios)} prompts below 0.9x"
+    other = sum(other_length(j) for j in slow)
+    return text + (f" ({other} of them with an output of another length than plain's)" if other else "")
 
 
 def step_breakdown(result: MethodResult) -> str:

@@ -144,7 +144,7 @@ PRIOR_WEIGHT = 2.0  # a bucket's prior counts as this many observed nodes
 RECENT_DECAY = 0.98  # per verify step, the weight the text's earlier steps keep in its recent-acceptance factor
 RECENT_PRIOR = 4.0  # the recent factor starts as if this many nodes had been accepted as expected
 RECENT_RANGE = (0.25, 4.0)  # bounds of the recent factor
-MAX_RATE = 0.99
+MAX_RATE = 0.99  # a scaled rate stays below 1: no drafted node is ever certain
 
 
 class AcceptanceModel:

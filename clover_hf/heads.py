@@ -540,15 +540,19 @@ def build_heads(config: CloverConfig) -> DraftHeads:
     return MedusaHeads(config) if config.head_type == "medusa" else CloverHeads(config)
 
 
+def _decoder(base_model: nn.Module) -> nn.Module | None:
+    """The base's decoder stack under its LM head (`model` in Llama-style bases, `transformer` in GPT-2)."""
+    return getattr(base_model, "model", None) or getattr(base_model, "transformer", None)
+
+
 def _final_norm(base_model: nn.Module) -> nn.Module | None:
     """The base's norm after its last decoder layer, where it is an RMSNorm (the heads' kind of norm)."""
-    inner = getattr(base_model, "model", None) or getattr(base_model, "transformer", None)
-    norm = getattr(inner, "norm", None)
+    norm = getattr(_decoder(base_model), "norm", None)
     return norm if norm is not None and "RMSNorm" in type(norm).__name__ else None
 
 
 def _decoder_layers(base_model: nn.Module) -> nn.ModuleList | None:
-    inner = getattr(base_model, "model", None) or getattr(base_model, "transformer", None)
+    inner = _decoder(base_model)
     for name in ("layers", "h", "blocks"):
         layers = getattr(inner, name, None)
         if isinstance(layers, nn.ModuleList) and len(layers):
