@@ -437,6 +437,9 @@ def clover_generate(
             row.pending.append((hidden[b, cols][None], embed(text)[None], positions[b, cols][None]))
         rows.append(row)
     active, positions = _drop_finished(rows, cache, positions)
+    # A 1-token step of one unpadded row, without a window, goes through the base's own mask path: in bf16 an
+    # explicit additive mask rounds differently from plain decoding at some lengths.
+    plain_mask = batch == 1 and not layout.mapping and layout.sliding_window is None and bool(valid.all())
 
     # The draft budget: this machine's verify costs (measured now if unknown) and calibrated acceptance.
     costs = acceptance = key = None
@@ -488,7 +491,10 @@ def clover_generate(
         verify_started = time.perf_counter()
         past_len = positions.shape[1]
         ids, node_pos, allowed = _stack_trees(drafts, active)
-        mask = layout.build(positions, node_pos, allowed, dtype)
+        if plain_mask and ids.shape[1] == 1:
+            mask = torch.ones(1, past_len + 1, dtype=torch.long, device=device)
+        else:
+            mask = layout.build(positions, node_pos, allowed, dtype)
         logits, hidden = _base_forward(model, ids, mask, node_pos, cache)
         stats.steps += 1
         clock.lap("verify forward")

@@ -116,3 +116,16 @@ def test_shipped_heads_under_a_budget_are_exact_and_follow_the_costs(shipped, to
     plain = shipped.generation_stats
     assert wide.verified_per_step > 4 and wide.tokens_per_step > 1.4, (wide.verified_per_step, wide.tokens_per_step)
     assert plain.verified_per_step == 1.0 and plain.tokens_per_step == 1.0
+
+
+def test_plain_steps_in_bf16_are_plain_decoding_bit_for_bit(converted, tok):
+    """Where the budget verifies nothing drafted, Clover's steps are the base's own 1-token forwards, mask
+    path included: in bf16 an explicit additive mask rounds differently at some cache lengths, and the
+    output drifted from plain `generate` within 64 tokens on each of these prompts."""
+    model = CloverForCausalLM.from_pretrained(shipped_heads_path(), base_model=str(converted), dtype=torch.bfloat16)
+    steep = CostModel.from_function(lambda rows, width: 40.0 * width, draft_ms=3.0)
+    for i in range(3):
+        ids = _chat(tok, i)
+        expected = model.base_model.generate(ids, max_new_tokens=64, do_sample=False)
+        assert torch.equal(model.generate(ids, max_new_tokens=64, do_sample=False, budget=steep), expected), i
+        assert model.generation_stats.verified_per_step == 1.0
