@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from clover_hf import CloverForCausalLM
 from clover_hf.data import mtbench_questions
@@ -41,20 +42,16 @@ def main() -> None:
     tree = args.tree or json.loads((shipped_heads_path() / "config.json").read_text())["tree"]
 
     base_dir = base_model_path(torch.float32)
-    model = CloverForCausalLM.from_pretrained(args.heads[0], base_model=str(base_dir), dtype=torch.float32).eval()
-    from transformers import AutoTokenizer
-
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                              return_tensors="pt", return_dict=False)
                for q in mtbench_questions(1)[: args.limit]]
-    with torch.no_grad():
-        plain = [model.base_model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
-                 for ids in prompts]
+    plain = [base.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False) for ids in prompts]
 
     rows = []
     for heads_dir in args.heads:
-        model = CloverForCausalLM.from_pretrained(model.base_model, clover_heads=heads_dir).eval()
+        model = CloverForCausalLM.from_pretrained(base, clover_heads=heads_dir).eval()
         row = {"heads": str(heads_dir), "eval": final_eval(heads_dir)}
         for name, options in SETTINGS.items():
             tokens = steps = same = 0
@@ -63,7 +60,7 @@ def main() -> None:
                                      tree=tree, **options)
                 stats = model.generation_stats
                 tokens, steps = tokens + stats.new_tokens, steps + stats.steps
-                same += out.shape == expected.shape and bool((out == expected).all())
+                same += torch.equal(out, expected)
             row[name] = {"tokens_per_forward": tokens / steps, "identical": same}
         rows.append(row)
         print(heads_dir, {name: row[name] for name in SETTINGS}, flush=True)

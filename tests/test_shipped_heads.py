@@ -11,6 +11,7 @@ from clover_hf.data import mtbench_questions
 from clover_hf.embedded import load_default, shipped_heads_path
 
 NEW = 32  # new tokens per prompt: enough for several multi-token steps
+STEEP = CostModel.from_function(lambda rows, width: 40.0 * width, draft_ms=3.0)  # each token costs a forward
 
 
 @pytest.fixture(scope="module")
@@ -108,11 +109,10 @@ def test_shipped_heads_under_a_budget_are_exact_and_follow_the_costs(shipped, to
     curve) it verifies wide trees and accepts long paths; where each token costs a forward (steeper
     than any CPU measured) it decodes plainly. The output is the base's either way."""
     cheap = CostModel.from_function(lambda rows, width: 40.0 + 0.5 * width, draft_ms=3.0)
-    steep = CostModel.from_function(lambda rows, width: 40.0 * width, draft_ms=3.0)
     ids, expected = _chat(tok, 9), reference(9)
     assert torch.equal(shipped.generate(ids, max_new_tokens=NEW, do_sample=False, budget=cheap), expected)
     wide = shipped.generation_stats
-    assert torch.equal(shipped.generate(ids, max_new_tokens=NEW, do_sample=False, budget=steep), expected)
+    assert torch.equal(shipped.generate(ids, max_new_tokens=NEW, do_sample=False, budget=STEEP), expected)
     plain = shipped.generation_stats
     assert wide.verified_per_step > 4 and wide.tokens_per_step > 1.4, (wide.verified_per_step, wide.tokens_per_step)
     assert plain.verified_per_step == 1.0 and plain.tokens_per_step == 1.0
@@ -123,9 +123,8 @@ def test_plain_steps_in_bf16_are_plain_decoding_bit_for_bit(converted, tok):
     path included: in bf16 an explicit additive mask rounds differently at some cache lengths, and the
     output drifted from plain `generate` within 64 tokens on each of these prompts."""
     model = CloverForCausalLM.from_pretrained(shipped_heads_path(), base_model=str(converted), dtype=torch.bfloat16)
-    steep = CostModel.from_function(lambda rows, width: 40.0 * width, draft_ms=3.0)
     for i in range(3):
         ids = _chat(tok, i)
         expected = model.base_model.generate(ids, max_new_tokens=64, do_sample=False)
-        assert torch.equal(model.generate(ids, max_new_tokens=64, do_sample=False, budget=steep), expected), i
+        assert torch.equal(model.generate(ids, max_new_tokens=64, do_sample=False, budget=STEEP), expected), i
         assert model.generation_stats.verified_per_step == 1.0
