@@ -6,7 +6,10 @@
   own probability (per depth) or the lookup chain's record (per n-gram length and chain depth),
   calibrated against what verification actually accepted.
 - `choose_width`: the number of tokens per row to verify with the most expected tokens per
-  millisecond, from 1 (a plain decoding step) to the whole tree; `HeadsGate` stops drafting with the
+  millisecond, from 1 (a plain decoding step) to the whole tree. A width the budget stopped
+  choosing is never timed again, so its estimate could stay wrong for good (a stall, or a machine
+  that got faster): the longer a width goes untimed, the cheaper it is assumed to be when choosing,
+  until it is tried once more; `HeadsGate` stops drafting with the
   heads while that does not pay for its own cost, and tries again after a pause.
 
 The choice depends on draft probabilities, earlier steps and the clock, never on the target's
@@ -32,6 +35,8 @@ WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 
 COSTS_FILE = "verify_costs.json"
 OUTLIER = 2.0  # a timed step counts at most this many times the estimate
 NARROW = 8  # widths up to this are calibrated three times, wider ones once (they cost more and are chosen less)
+STALE_COST = 600  # a width is doubted most once the steps timed since it add up to this many times its own cost
+MAX_DOUBT = 0.75  # when choosing, a width's cost counts down to (1 - this) of its estimate as it goes stale
 
 
 @dataclass
@@ -41,6 +46,8 @@ class CostModel:
     ms: dict[int, dict[int, float]] = field(default_factory=dict)  # rows -> {tokens per row: ms}
     smoothing: float = 0.2  # weight of each timed step in the running estimate
     draft_ms: float | None = None  # drafting's cost per step when fixed; None: timed as decoding goes
+    timed_ms: float = 0.0  # milliseconds of the steps timed (by this process)
+    timed_at: dict[int, dict[int, float]] = field(default_factory=dict)  # rows -> {width: `timed_ms` when last timed}
 
     @classmethod
     def from_function(cls, fn: Callable[[int, int], float], rows: range | tuple = range(1, 9),
@@ -78,13 +85,34 @@ class CostModel:
         """The widths to choose among: those measured below `limit`, and `limit` (the whole tree)."""
         return sorted({w for w in self.curve(rows) if w < limit} | {limit})
 
+    def staleness(self, rows: int, width: int) -> float:
+        """From 0 (timed on the last step) to 1 (the steps timed since, or by this process, took
+        `STALE_COST` times the width's own estimate)."""
+        since = self.timed_ms - self.timed_at.get(rows, {}).get(width, 0.0)
+        return min(since / (STALE_COST * self.predict(rows, width)), 1.0)
+
+    def price(self, rows: int, width: int) -> float:
+        """The cost to choose by: the estimate, less the longer the width went untimed.
+
+        Only chosen widths are timed, so one that looks too dear (a stall was timed, or the machine
+        sped up since) would never be chosen and corrected. Pricing it lower as it goes stale tries
+        it again. A retry is chosen only once its doubt d outweighs how far it falls short of the
+        best rate, so it wastes at most d times its cost, after the steps since took d / MAX_DOUBT *
+        STALE_COST times its cost: each width's retries waste at most MAX_DOUBT / STALE_COST of the
+        time (0.125%)."""
+        return self.predict(rows, width) * (1.0 - MAX_DOUBT * self.staleness(rows, width))
+
     def observe(self, rows: int, width: int, ms: float) -> None:
         """Fold one timed step into the estimate for its width. A step slower than twice the estimate
-        counts as twice it: one stall of the machine must not make every wider step look cheap."""
+        counts as twice it: one stall of the machine must not make every wider step look cheap. A
+        width untimed for long takes its new timing with more weight (its estimate is the doubtful one)."""
         curve = self.curve(rows) if self.ms else self.ms.setdefault(rows, {})
         if width not in curve:
             curve[width] = self.predict(rows, width) if curve else ms
-        curve[width] += self.smoothing * (min(ms, OUTLIER * curve[width]) - curve[width])
+        weight = max(self.smoothing, self.staleness(rows, width))
+        curve[width] += weight * (min(ms, OUTLIER * curve[width]) - curve[width])
+        self.timed_ms += ms
+        self.timed_at.setdefault(rows, {})[width] = self.timed_ms
 
     def to_json(self) -> dict:
         return {str(r): {str(w): round(ms, 3) for w, ms in sorted(c.items())} for r, c in self.ms.items()}
@@ -218,11 +246,13 @@ def path_chances(rates: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
     return torch.exp(ancestors.to(torch.float64) @ rates.clamp(min=1e-9).log())
 
 
-def choose_width(chances: list[torch.Tensor], costs: CostModel) -> tuple[int, float, float]:
+def choose_width(chances: list[torch.Tensor], costs: CostModel, explore: bool = False) -> tuple[int, float, float]:
     """The tokens per row to verify, with the most expected tokens per millisecond.
 
     chances[b]: path chances of row b's drafted nodes (root excluded). A width w verifies each row's
-    root and its w-1 likeliest nodes. Returns (width, expected tokens of all rows, predicted ms).
+    root and its w-1 likeliest nodes. `explore`: weigh costs by `CostModel.price` (stale widths
+    look cheaper) instead of the plain estimate. Returns (width, expected tokens of all rows,
+    predicted ms).
     """
     rows = len(chances)
     limit = 1 + max(c.numel() for c in chances)
@@ -232,8 +262,9 @@ def choose_width(chances: list[torch.Tensor], costs: CostModel) -> tuple[int, fl
     for width in costs.widths(rows, limit):
         tokens = sum(1 + g[min(width - 1, len(g) - 1)] for g in gains)
         ms = costs.predict(rows, width)
-        if tokens / ms > best_rate:
-            best, best_rate = (width, tokens, ms), tokens / ms
+        rate = tokens / (costs.price(rows, width) if explore else ms)
+        if rate > best_rate:
+            best, best_rate = (width, tokens, ms), rate
     return best
 
 

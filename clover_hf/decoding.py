@@ -257,18 +257,19 @@ def _no_deeper(draft: _Draft, depth: int) -> _Draft:
                   draft.probs[:n], draft.is_chain[:n], draft.ngram)
 
 
-def _choose_nodes(drafts: list[_Draft], acceptance, costs: CostModel, gate, draft_ms: tuple[float, float] | None
-                  ) -> tuple[list[_Draft], list[torch.Tensor]]:
+def _choose_nodes(drafts: list[_Draft], acceptance, costs: CostModel, gate, draft_ms: tuple[float, float] | None,
+                  explore: bool) -> tuple[list[_Draft], list[torch.Tensor]]:
     """Cut each row's draft to the nodes that pay: the width with the most expected tokens per
-    millisecond under `costs`, each row keeping its likeliest nodes. Returns the cut drafts and each
-    node's acceptance bucket (on the CPU). When the heads drafted (`draft_ms`: their drafting time,
-    and the Augmenting Block's per position), tells `gate` how that compared with the chain alone."""
+    millisecond under `costs` (`explore`: retrying widths untimed for long), each row keeping its
+    likeliest nodes. Returns the cut drafts and each node's acceptance bucket (on the CPU). When the
+    heads drafted (`draft_ms`: their drafting time, and the Augmenting Block's per position), tells
+    `gate` how that compared with the chain alone."""
     buckets, chances = [], []
     for d in drafts:
         b = acceptance.buckets(d.tree.depths, d.probs, d.is_chain, d.ngram).cpu()  # the step's one host sync
         buckets.append(b)
         chances.append(path_chances(acceptance.rates(b), d.tree.ancestors.cpu())[1:])
-    width, tokens, ms = choose_width(chances, costs)
+    width, tokens, ms = choose_width(chances, costs, explore)
     cut, cut_buckets = [], []
     for d, b, c in zip(drafts, buckets, chances):
         if width >= d.tokens.shape[0]:
@@ -486,7 +487,8 @@ def clover_generate(
             elif with_heads:
                 drafting_s = time.perf_counter() - started - augment_s
                 draft_ms = (1000 * drafting_s, 1000 * augment_s / max(augmented, 1))
-            drafts, buckets = _choose_nodes(drafts, acceptance, costs, clover_budget.gate, draft_ms)
+            drafts, buckets = _choose_nodes(drafts, acceptance, costs, clover_budget.gate, draft_ms,
+                                            explore=clover_budget.fixed is None)
             clock.lap("choose")
         verify_started = time.perf_counter()
         past_len = positions.shape[1]

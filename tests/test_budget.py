@@ -150,6 +150,54 @@ def test_choose_width_follows_the_costs():
     assert choose_width(rows, CostModel.from_function(lambda r, w: 10.0 + 2.0 * (w - 1)))[0] == 5
 
 
+def _run_budget(costs: CostModel, true_ms, chances: list[torch.Tensor], steps: int, explore: bool
+                ) -> tuple[list[int], float]:
+    """Choose and time `steps` steps against the costs `true_ms(width)`; the widths chosen and the
+    expected tokens per true millisecond over all steps."""
+    chosen, tokens, ms = [], 0.0, 0.0
+    for _ in range(steps):
+        width, expected, _ = choose_width(chances, costs, explore)
+        costs.observe(1, width, true_ms(width))
+        chosen.append(width)
+        tokens, ms = tokens + expected, ms + true_ms(width)
+    return chosen, tokens / ms
+
+
+CHANCES = [torch.tensor([0.8, 0.6, 0.45, 0.3, 0.2, 0.1, 0.05], dtype=torch.float64)]  # whole tree: 3.5 tokens
+
+
+def test_a_width_that_looks_too_dear_is_tried_again_and_corrected():
+    """Stored costs from a slower period put wide widths at 2.5x what they cost now. Only chosen
+    widths are timed, so without retrying them the budget verifies one token a step for good."""
+    def true_ms(width: int) -> float:
+        return 55.0 if width == 1 else 85.0 + 1.5 * width  # the whole tree (8 tokens) pays most: 3.5 / 97 ms
+
+    def stale() -> CostModel:
+        return CostModel({1: {w: 64.0 if w == 1 else 2.5 * true_ms(w) for w in (1, 2, 4, 8, 16)}})
+
+    stuck, _ = _run_budget(stale(), true_ms, CHANCES, 2000, explore=False)
+    assert set(stuck) == {1}
+    costs = stale()
+    chosen, _ = _run_budget(costs, true_ms, CHANCES, 1000, explore=True)
+    assert 8 in chosen
+    assert costs.predict(1, 8) == pytest.approx(true_ms(8), rel=0.02)
+    chosen, rate = _run_budget(costs, true_ms, CHANCES, 1000, explore=True)
+    assert chosen.count(8) > 0.99 * len(chosen)
+    assert rate > 0.99 * 3.5 / true_ms(8)
+
+
+def test_retrying_dear_widths_costs_little():
+    """Where wide widths really are dear (each token costs most of a forward), retrying them now and
+    then loses under 1% of the best expected rate."""
+    def true_ms(width: int) -> float:
+        return 55.0 * width ** 0.9
+
+    costs = CostModel.from_function(lambda rows, width: true_ms(width), rows=(1,), max_width=16)
+    chosen, rate = _run_budget(costs, true_ms, CHANCES, 5000, explore=True)
+    assert chosen.count(1) > 0.95 * len(chosen)  # mostly width 2, within 4% of the best rate
+    assert rate > 0.99 / true_ms(1)
+
+
 def test_likeliest_nodes_form_a_tree():
     parents, depths = torch.tensor([0, 0, 0, 1, 1, 3]), torch.tensor([0, 1, 1, 2, 2, 3])
     rates = torch.tensor([1.0, 0.9, 0.3, 0.8, 0.05, 0.9], dtype=torch.float64)
