@@ -231,9 +231,11 @@ class AcceptanceModel:
     def observe(self, buckets: torch.Tensor, tried: torch.Tensor, accepted: torch.Tensor) -> None:
         """Count the nodes `tried` (their parent was accepted) and which of them were `accepted` (CPU)."""
         tried = tried & (buckets >= 0)
+        self.recent *= RECENT_DECAY
+        if not bool(tried.any()):  # a plain decoding step
+            return
         hit = tried & accepted
         chain = self._is_chain(buckets).long()
-        self.recent *= RECENT_DECAY
         self.recent[:, 0].index_add_(0, chain[hit], torch.ones_like(chain[hit], dtype=self.recent.dtype))
         self.recent[:, 1].index_add_(0, chain[tried], self._base_rates(buckets[tried]))
         self.trials.index_add_(0, buckets[tried], torch.ones_like(buckets[tried], dtype=self.trials.dtype))

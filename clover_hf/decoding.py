@@ -237,12 +237,17 @@ def _shallower(spec, trees: list[TreeBuffers] | None, depth: int, lookup_max: in
     return DynamicTree(depth=depth, width=spec.width, nodes=min(spec.nodes, most)), trees
 
 
+@functools.lru_cache(maxsize=256)
+def _chain_shape(n: int, device: torch.device) -> tuple[StepTree, torch.Tensor]:
+    """A chain of `n` nodes, root first (built once per length: most steps verify one), and which
+    nodes are drafted."""
+    depths = torch.arange(n, device=device)
+    return StepTree.from_parents((depths - 1).clamp(min=0), depths, n - 1), depths > 0
+
+
 def _chain_tree(root: torch.Tensor, chain: torch.Tensor, ngram: int) -> _Draft:
     """The root and the lookup chain alone: a step that does not draft with the heads."""
-    n = chain.shape[0] + 1
-    depths = torch.arange(n, device=root.device)
-    tree = StepTree.from_parents((depths - 1).clamp(min=0), depths, n - 1)
-    is_chain = depths > 0
+    tree, is_chain = _chain_shape(chain.shape[0] + 1, root.device)
     return _Draft(torch.cat([root.view(1), chain]), tree, is_chain.float(), is_chain, ngram)
 
 
@@ -275,10 +280,14 @@ def _choose_nodes(drafts: list[_Draft], acceptance, costs: CostModel, gate, draf
         if width >= d.tokens.shape[0]:
             cut.append(d)
             cut_buckets.append(b)
-            continue
-        nodes = likeliest(c, width)
-        cut.append(d.keep(nodes))
-        cut_buckets.append(b[nodes])
+        elif width == 1:  # a plain decoding step
+            tree, _ = _chain_shape(1, d.tokens.device)
+            cut.append(_Draft(d.tokens[:1], tree, d.probs[:1], d.is_chain[:1], d.ngram))
+            cut_buckets.append(b[:1])
+        else:
+            nodes = likeliest(c, width)
+            cut.append(d.keep(nodes))
+            cut_buckets.append(b[nodes])
     if draft_ms is not None:
         chain_only = [c * d.is_chain[1:].cpu() for c, d in zip(chances, drafts)]
         _, chain_tokens, chain_ms = choose_width(chain_only, costs)
@@ -591,7 +600,8 @@ def _repack(cache, positions: torch.Tensor) -> torch.Tensor:
 def _compact(cache, past_len: int, kept: list[torch.Tensor], node_pos: torch.Tensor) -> torch.Tensor:
     """Keep each row's accepted nodes in the cache; returns the (B, K) positions of the kept slots (-1: unused)."""
     if len(kept) == 1:
-        compact_cache(cache, past_len, kept[0][None])
+        if kept[0].shape[0] < node_pos.shape[1]:  # else every verified node was kept, in place
+            compact_cache(cache, past_len, kept[0][None])
         return node_pos[:, kept[0]]
     width = max(k.shape[0] for k in kept)
     index = torch.zeros(len(kept), width, dtype=torch.long, device=node_pos.device)
