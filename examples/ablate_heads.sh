@@ -21,6 +21,9 @@ declare -A VARIANTS=(
   [clover-linear]="--output-head linear --init-norms-from-base"  # Clover-2's public code
   [clover-feature10]="--feature-loss-weight 10"                  # Clover-2's feature-loss weight
   [clover-hard]="--label-top-k 1"                                # cross-entropy on the base's top-1
+  [clover-vocab16k]="--draft-vocab-size 16384"                   # draft vocabulary: 16k most frequent tokens
+  [clover-vocab32k]="--draft-vocab-size 32768"
+  [clover-vocaball]="--draft-vocab-size 49152"                   # SmolLM2's whole vocabulary
   [medusa]="--head-type medusa"                                  # the shipped baseline: Clover's loss, shared rows
   [medusa1]="--head-type medusa --own-lm-heads --label-top-k 1 --feature-loss-weight 0"  # Medusa-1
 )
