@@ -198,6 +198,21 @@ def test_retrying_dear_widths_costs_little():
     assert rate > 0.99 / true_ms(1)
 
 
+def test_a_fixed_cost_model_is_never_retimed_or_doubted():
+    """Retrying stale widths is for measured costs: a fixed `CostModel` makes the same choices on every run."""
+    base = tiny_model("llama")
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=2, lookup_max_tokens=4)
+    costs = CostModel.from_function(lambda rows, width: 10.0 + 3.0 * width, draft_ms=1.0)
+    before = json.dumps(costs.to_json())
+    runs = []
+    for _ in range(2):
+        clover.generate(prompt(3), max_new_tokens=40, do_sample=False, budget=costs)
+        stats = clover.generation_stats
+        runs.append((stats.verified_tokens, list(stats.accepted_lengths)))
+    assert runs[0] == runs[1]
+    assert json.dumps(costs.to_json()) == before and costs.timed_ms == 0.0
+
+
 def test_likeliest_nodes_form_a_tree():
     parents, depths = torch.tensor([0, 0, 0, 1, 1, 3]), torch.tensor([0, 1, 1, 2, 2, 3])
     rates = torch.tensor([1.0, 0.9, 0.3, 0.8, 0.05, 0.9], dtype=torch.float64)
