@@ -143,6 +143,11 @@ class _Draft:
         nodes = nodes.to(self.tokens.device)
         return _Draft(self.tokens[nodes], tree, self.probs[nodes], self.is_chain[nodes], self.ngram)
 
+    def root_only(self) -> "_Draft":
+        """The draft cut to its root: a plain decoding step (its one-node tree is built once)."""
+        tree, _ = _chain_shape(1, self.tokens.device)
+        return _Draft(self.tokens[:1], tree, self.probs[:1], self.is_chain[:1], self.ngram)
+
 
 def _catch_up(heads: DraftHeads, row: _Row) -> int:
     """Run the heads' features (the Augmenting Block) over the positions accepted since they last
@@ -280,9 +285,8 @@ def _choose_nodes(drafts: list[_Draft], acceptance, costs: CostModel, gate, draf
         if width >= d.tokens.shape[0]:
             cut.append(d)
             cut_buckets.append(b)
-        elif width == 1:  # a plain decoding step
-            tree, _ = _chain_shape(1, d.tokens.device)
-            cut.append(_Draft(d.tokens[:1], tree, d.probs[:1], d.is_chain[:1], d.ngram))
+        elif width == 1:
+            cut.append(d.root_only())
             cut_buckets.append(b[:1])
         else:
             nodes = likeliest(c, width)
