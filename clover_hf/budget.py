@@ -23,12 +23,12 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .tree import StepTree
 
 # Widths (tokens verified per row) a calibration measures; others are interpolated.
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -187,68 +187,86 @@ class AcceptanceModel:
     So each source (heads, chain) also carries a recent factor, accepted / expected over the current
     text's last steps (decaying by `RECENT_DECAY` a step), that scales its buckets' rates;
     `start_text` resets it when a `generate` call begins.
+
+    It counts on the host in plain Python: a step's tree has tens of nodes, and torch's overhead per
+    operation on such small tensors made this bookkeeping a visible share of a plain decoding step.
     """
 
     def __init__(self, depth: int, chain: int, max_ngram: int = 3) -> None:
         self.depth, self.chain, self.max_ngram = depth, max(chain, 1), max_ngram
-        head_prior = ((torch.arange(HEAD_BINS) + 0.5) / HEAD_BINS).repeat(depth)
-        chain_prior = (0.05 + 0.15 * torch.arange(1, max_ngram + 1)).repeat_interleave(self.chain)
-        self.prior = torch.cat([head_prior, chain_prior]).double()
-        self.hits = torch.zeros_like(self.prior)
-        self.trials = torch.zeros_like(self.prior)
-        self.recent = torch.zeros(2, 2, dtype=torch.float64)  # (heads, chain) x (accepted, expected)
+        head_prior = [(b + 0.5) / HEAD_BINS for b in range(HEAD_BINS)] * depth
+        chain_prior = [0.05 + 0.15 * n for n in range(1, max_ngram + 1) for _ in range(self.chain)]
+        self.prior = head_prior + chain_prior
+        self.hits = [0.0] * len(self.prior)
+        self.trials = [0.0] * len(self.prior)
+        self.recent = [[0.0, 0.0], [0.0, 0.0]]  # (heads, chain) x (accepted, expected)
 
     def start_text(self) -> None:
         """Forget the recent factor: a new text begins."""
-        self.recent.zero_()
+        self.recent = [[0.0, 0.0], [0.0, 0.0]]
 
-    def recent_factors(self) -> torch.Tensor:
-        """(2,) accepted / expected over recent steps, for the heads' nodes and the chain's."""
-        accepted, expected = self.recent.unbind(1)
-        return ((accepted + RECENT_PRIOR) / (expected + RECENT_PRIOR)).clamp(*RECENT_RANGE)
+    def recent_factors(self) -> tuple[float, float]:
+        """Accepted / expected over recent steps, for the heads' nodes and the chain's."""
+        low, high = RECENT_RANGE
+        return tuple(min(max((a + RECENT_PRIOR) / (e + RECENT_PRIOR), low), high) for a, e in self.recent)
 
-    def _base_rates(self, buckets: torch.Tensor) -> torch.Tensor:
-        return ((self.hits + PRIOR_WEIGHT * self.prior) / (self.trials + PRIOR_WEIGHT))[buckets.clamp(min=0)]
+    def _base_rate(self, bucket: int) -> float:
+        return (self.hits[bucket] + PRIOR_WEIGHT * self.prior[bucket]) / (self.trials[bucket] + PRIOR_WEIGHT)
 
-    def _is_chain(self, buckets: torch.Tensor) -> torch.Tensor:
-        return buckets >= self.depth * HEAD_BINS
+    def _is_chain(self, bucket: int) -> bool:
+        return bucket >= self.depth * HEAD_BINS
 
-    def buckets(self, depths: torch.Tensor, probs: torch.Tensor, is_chain: torch.Tensor, ngram: int) -> torch.Tensor:
-        """(N,) bucket of each node of a drafted tree: depths (N,), the heads' probabilities (N,) and
-        which nodes are the lookup chain's (found by an `ngram`-token match); -1 for the root."""
-        bins = (probs.float() * HEAD_BINS).long().clamp(0, HEAD_BINS - 1)
-        head = (depths.clamp(1, self.depth) - 1) * HEAD_BINS + bins
-        start = self.depth * HEAD_BINS + (min(max(ngram, 1), self.max_ngram) - 1) * self.chain
-        chain = start + (depths - 1).clamp(0, self.chain - 1)
-        return torch.where(depths == 0, -1, torch.where(is_chain, chain, head))
+    def buckets(self, depths: list[int], probs: list[float], is_chain: list[bool], ngram: int) -> list[int]:
+        """The bucket of each node of a drafted tree, from its depth, the heads' probability and whether
+        it is the lookup chain's (found by an `ngram`-token match); -1 for the root."""
+        chain_start = self.depth * HEAD_BINS + (min(max(ngram, 1), self.max_ngram) - 1) * self.chain
+        out = []
+        for depth, prob, chain in zip(depths, probs, is_chain):
+            if depth == 0:
+                out.append(-1)
+            elif chain:
+                out.append(chain_start + min(depth - 1, self.chain - 1))
+            else:
+                out.append((min(depth, self.depth) - 1) * HEAD_BINS + min(max(int(prob * HEAD_BINS), 0), HEAD_BINS - 1))
+        return out
 
-    def rates(self, buckets: torch.Tensor) -> torch.Tensor:
-        """(N,) chances for buckets (N,) on the CPU, scaled by the recent factors; -1 (the root) is certain."""
-        factor = self.recent_factors()[self._is_chain(buckets).long()]
-        rate = (self._base_rates(buckets) * factor).clamp(max=MAX_RATE)
-        return torch.where(buckets < 0, 1.0, rate)
+    def rates(self, buckets: list[int]) -> list[float]:
+        """Each bucket's chance, scaled by its source's recent factor; -1 (the root) is certain."""
+        factors = self.recent_factors()
+        return [1.0 if b < 0 else min(self._base_rate(b) * factors[self._is_chain(b)], MAX_RATE) for b in buckets]
 
-    def observe(self, buckets: torch.Tensor, tried: torch.Tensor, accepted: torch.Tensor) -> None:
-        """Count the nodes `tried` (their parent was accepted) and which of them were `accepted` (CPU)."""
-        tried = tried & (buckets >= 0)
-        self.recent *= RECENT_DECAY
-        if not bool(tried.any()):  # a plain decoding step
+    def observe(self, buckets: list[int], parents: list[int], accepted: list[int]) -> None:
+        """Count a verified tree's nodes whose parent was accepted, and which of them were: `buckets`
+        and `parents` per node, `accepted` the accepted nodes' indices (root first)."""
+        for source in self.recent:
+            source[0] *= RECENT_DECAY
+            source[1] *= RECENT_DECAY
+        if len(buckets) == 1:  # a plain decoding step: nothing was tried
             return
-        hit = tried & accepted
-        chain = self._is_chain(buckets).long()
-        self.recent[:, 0].index_add_(0, chain[hit], torch.ones_like(chain[hit], dtype=self.recent.dtype))
-        self.recent[:, 1].index_add_(0, chain[tried], self._base_rates(buckets[tried]))
-        self.trials.index_add_(0, buckets[tried], torch.ones_like(buckets[tried], dtype=self.trials.dtype))
-        self.hits.index_add_(0, buckets[hit], torch.ones_like(buckets[hit], dtype=self.hits.dtype))
+        on_path = [False] * len(buckets)
+        for node in accepted:
+            on_path[node] = True
+        tried = [node for node in range(1, len(buckets)) if buckets[node] >= 0 and on_path[parents[node]]]
+        for node in tried:  # expected from the rates before this step's counts
+            self.recent[self._is_chain(buckets[node])][1] += self._base_rate(buckets[node])
+        for node in tried:
+            self.trials[buckets[node]] += 1.0
+            if on_path[node]:
+                self.hits[buckets[node]] += 1.0
+                self.recent[self._is_chain(buckets[node])][0] += 1.0
 
 
-def path_chances(rates: torch.Tensor, ancestors: torch.Tensor) -> torch.Tensor:
-    """(N,) chance that each node's whole path is accepted: the product of its ancestors' rates.
-    Never more than its parent's, so the likeliest k nodes always form a tree."""
-    return torch.exp(ancestors.to(torch.float64) @ rates.clamp(min=1e-9).log())
+def path_chances(rates: list[float], parents: list[int]) -> list[float]:
+    """Chance that each node's whole path is accepted: the product of its path's rates (nodes sorted
+    by depth, so a parent comes first). Never more than its parent's, so the likeliest k nodes always
+    form a tree."""
+    chances = []
+    for node, (rate, parent) in enumerate(zip(rates, parents)):
+        chances.append(rate if node == 0 else chances[parent] * rate)
+    return chances
 
 
-def choose_width(chances: list[torch.Tensor], costs: CostModel, explore: bool = False) -> tuple[int, float, float]:
+def choose_width(chances: list[list[float]], costs: CostModel, explore: bool = False) -> tuple[int, float, float]:
     """The tokens per row to verify, with the most expected tokens per millisecond.
 
     chances[b]: path chances of row b's drafted nodes (root excluded). A width w verifies each row's
@@ -257,8 +275,8 @@ def choose_width(chances: list[torch.Tensor], costs: CostModel, explore: bool = 
     predicted ms).
     """
     rows = len(chances)
-    limit = 1 + max(c.numel() for c in chances)
-    gains = [torch.cat([c.new_zeros(1), c.sort(descending=True).values.cumsum(0)]).tolist() for c in chances]
+    limit = 1 + max(len(c) for c in chances)
+    gains = [[0.0, *accumulate(sorted(c, reverse=True))] for c in chances]
     best = (1, 0.0, 1.0)
     best_rate = -1.0
     for width in costs.widths(rows, limit):
@@ -270,29 +288,27 @@ def choose_width(chances: list[torch.Tensor], costs: CostModel, explore: bool = 
     return best
 
 
-def likeliest(chances: torch.Tensor, width: int) -> torch.Tensor:
+def likeliest(chances: list[float], width: int) -> list[int]:
     """Node indices (root 0 first, then in tree order) of the root and the width-1 likeliest drafted nodes."""
-    top = chances.sort(descending=True, stable=True).indices[: width - 1] + 1
-    return torch.cat([top.new_zeros(1), top.sort().values])
+    top = sorted(range(len(chances)), key=lambda i: -chances[i])[: width - 1]  # stable: ties keep tree order
+    return [0, *sorted(i + 1 for i in top)]
 
 
-def prune(parents: torch.Tensor, depths: torch.Tensor, keep: torch.Tensor) -> StepTree:
-    """The tree of the nodes `keep` (sorted, root first, closed under parents), renumbered."""
-    keep = keep.to(parents.device)
-    new_index = torch.zeros(parents.shape[0], dtype=torch.long, device=parents.device)
-    new_index[keep] = torch.arange(keep.shape[0], device=parents.device)
-    kept_depths = depths[keep]
-    return StepTree.from_parents(new_index[parents[keep]], kept_depths, int(kept_depths.max()))
+def prune(parents: list[int], depths: list[int], keep: list[int]) -> tuple[list[int], list[int]]:
+    """Parents (renumbered) and depths of the nodes `keep` (sorted, root first, closed under parents)."""
+    index = {node: i for i, node in enumerate(keep)}
+    return [index[parents[node]] for node in keep], [depths[node] for node in keep]
 
 
-MIN_PAUSE, MAX_PAUSE = 4, 32  # steps without the heads after drafting did not pay; doubles while it still does not
+MIN_PAUSE, MAX_PAUSE = 4, 256  # steps without the heads after drafting did not pay; doubles while it still does not
 FULL_DEPTH_EVERY = 8  # of drafting steps, those that draft the tree's full depth whatever was used before
 
 
 @dataclass
 class HeadsGate:
     """Whether to draft with the heads this step: not while recent steps say drafting costs more
-    time than the tokens it adds are worth; after a pause (doubling while that holds) it tries again.
+    time than the tokens it adds are worth; after a pause (doubling while that holds, halving with
+    each drafting step that pays) it tries again.
     And how deep: one level below the deepest drafted node the last drafting step verified (each
     level costs a head pass), the tree's full depth now and then."""
 
@@ -336,8 +352,8 @@ class HeadsGate:
         if self.gain < 0:
             self.pause, self.next_pause = self.next_pause, min(2 * self.next_pause, MAX_PAUSE)
             self.gain = None  # judged afresh after the pause
-        else:
-            self.next_pause = MIN_PAUSE
+        else:  # halved, not reset: one lucky retry where the heads hardly ever pay must not bring back frequent ones
+            self.next_pause = max(self.next_pause // 2, MIN_PAUSE)
 
 
 class DraftBudget:

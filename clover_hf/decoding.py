@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -109,6 +110,13 @@ def _base_forward(model: PreTrainedModel, ids, mask, positions, cache, logits_to
     return out.logits.float(), out.hidden_states[-1]  # (B, n, V) fp32, (B, T, H)
 
 
+# Steps whose positions the Augmenting Block catches up on when the heads draft again. While drafting
+# does not pay (bf16 on a CPU without native bf16) the heads pause for up to hundreds of steps; running
+# the block over all those positions would cost a share of every step's time. Its attention then skips
+# the positions of the older steps: drafts lose a little accuracy, verification stays exact.
+CATCH_UP_STEPS = 32
+
+
 @dataclass
 class _Row:
     """One sequence's decode state. The rows of a batch share the base's cache and its forwards."""
@@ -121,32 +129,49 @@ class _Row:
     finished: bool
     feature: torch.Tensor | None = None  # (H,) the heads' features at the last position they have seen
     aug_cache: AugmentCache | None = None
-    # (hidden, next-token embeddings, positions), each (1, T, ...), of positions the heads have not seen yet
-    pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # (hidden, next-token embeddings, positions), each (1, T, ...), of the last steps' positions the heads have not
+    # seen yet: after a long pause the Augmenting Block catches up on the last CATCH_UP_STEPS steps only
+    pending: deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=lambda: deque(maxlen=CATCH_UP_STEPS))
 
 
 @dataclass
 class _Draft:
     """One row's tree to verify: node tokens (N,) root first, their tree, and for the draft budget the
     heads' probability of each node (N,) and which nodes are the lookup chain's (N,) (found by an
-    `ngram`-token match)."""
+    `ngram`-token match). `host`: the budget's copy of (depths, parents, probs, is_chain) as lists."""
 
     tokens: torch.Tensor
     tree: TreeBuffers | StepTree
     probs: torch.Tensor
     is_chain: torch.Tensor
     ngram: int
+    host: tuple[list[int], list[int], list[float], list[bool]] | None = None
 
-    def keep(self, nodes: torch.Tensor) -> "_Draft":
+    def on_host(self) -> tuple[list[int], list[int], list[float], list[bool]]:
+        """(depths, parents, probs, is_chain) as lists, read in one transfer (the step's one host sync)."""
+        if self.host is None:
+            t = self.tree
+            depths, parents, probs, chain = torch.stack(
+                [t.depths.double(), t.parents.double(), self.probs.double(), self.is_chain.double()]).tolist()
+            self.host = ([int(d) for d in depths], [int(p) for p in parents], probs, [c > 0 for c in chain])
+        return self.host
+
+    def keep(self, nodes: list[int]) -> "_Draft":
         """The draft cut to `nodes` (sorted, root first, closed under parents)."""
-        tree = prune(self.tree.parents, self.tree.depths, nodes)
-        nodes = nodes.to(self.tokens.device)
-        return _Draft(self.tokens[nodes], tree, self.probs[nodes], self.is_chain[nodes], self.ngram)
+        depths, parents, probs, is_chain = self.on_host()
+        kept_parents, kept_depths = prune(parents, depths, nodes)
+        device = self.tokens.device
+        tree = StepTree.from_parents(torch.tensor(kept_parents, device=device), torch.tensor(kept_depths, device=device),
+                                     max(kept_depths))
+        host = (kept_depths, kept_parents, [probs[i] for i in nodes], [is_chain[i] for i in nodes])
+        index = torch.tensor(nodes, device=device)
+        return _Draft(self.tokens[index], tree, self.probs[index], self.is_chain[index], self.ngram, host)
 
     def root_only(self) -> "_Draft":
         """The draft cut to its root: a plain decoding step (its one-node tree is built once)."""
         tree, _ = _chain_shape(1, self.tokens.device)
-        return _Draft(self.tokens[:1], tree, self.probs[:1], self.is_chain[:1], self.ngram)
+        return _Draft(self.tokens[:1], tree, self.probs[:1], self.is_chain[:1], self.ngram, ([0], [0], [1.0], [False]))
 
 
 def _catch_up(heads: DraftHeads, row: _Row) -> int:
@@ -158,7 +183,7 @@ def _catch_up(heads: DraftHeads, row: _Row) -> int:
     hidden, embeds, positions = (torch.cat(parts, dim=1) for parts in zip(*row.pending))
     features, row.aug_cache = heads.features(hidden, embeds, positions, cache=row.aug_cache)
     row.feature = features[0, -1]
-    row.pending = []
+    row.pending.clear()
     return positions.shape[1]
 
 
@@ -252,8 +277,10 @@ def _chain_shape(n: int, device: torch.device) -> tuple[StepTree, torch.Tensor]:
 
 def _chain_tree(root: torch.Tensor, chain: torch.Tensor, ngram: int) -> _Draft:
     """The root and the lookup chain alone: a step that does not draft with the heads."""
-    tree, is_chain = _chain_shape(chain.shape[0] + 1, root.device)
-    return _Draft(torch.cat([root.view(1), chain]), tree, is_chain.float(), is_chain, ngram)
+    n = chain.shape[0] + 1
+    tree, is_chain = _chain_shape(n, root.device)
+    host = (list(range(n)), [0, *range(n - 1)], [0.0] + [1.0] * (n - 1), [False] + [True] * (n - 1))
+    return _Draft(torch.cat([root.view(1), chain]), tree, is_chain.float(), is_chain, ngram, host)
 
 
 def _no_deeper(draft: _Draft, depth: int) -> _Draft:
@@ -263,26 +290,28 @@ def _no_deeper(draft: _Draft, depth: int) -> _Draft:
     if draft.tree.max_depth <= depth:
         return draft
     n = int((draft.tree.depths <= depth).sum())
+    host = None if draft.host is None else tuple(part[:n] for part in draft.host)
     return _Draft(draft.tokens[:n], StepTree.from_parents(draft.tree.parents[:n], draft.tree.depths[:n], depth),
-                  draft.probs[:n], draft.is_chain[:n], draft.ngram)
+                  draft.probs[:n], draft.is_chain[:n], draft.ngram, host)
 
 
 def _choose_nodes(drafts: list[_Draft], acceptance, costs: CostModel, gate, draft_ms: tuple[float, float] | None,
-                  explore: bool) -> tuple[list[_Draft], list[torch.Tensor]]:
+                  explore: bool) -> tuple[list[_Draft], list[list[int]]]:
     """Cut each row's draft to the nodes that pay: the width with the most expected tokens per
     millisecond under `costs` (`explore`: retrying widths untimed for long), each row keeping its
-    likeliest nodes. Returns the cut drafts and each node's acceptance bucket (on the CPU). When the
-    heads drafted (`draft_ms`: their drafting time, and the Augmenting Block's per position), tells
+    likeliest nodes. Returns the cut drafts and each node's acceptance bucket. When the heads
+    drafted (`draft_ms`: their drafting time, and the Augmenting Block's per position), tells
     `gate` how that compared with the chain alone."""
     buckets, chances = [], []
     for d in drafts:
-        b = acceptance.buckets(d.tree.depths, d.probs, d.is_chain, d.ngram).cpu()  # the step's one host sync
+        depths, parents, probs, is_chain = d.on_host()
+        b = acceptance.buckets(depths, probs, is_chain, d.ngram)
         buckets.append(b)
-        chances.append(path_chances(acceptance.rates(b), d.tree.ancestors.cpu())[1:])
+        chances.append(path_chances(acceptance.rates(b), parents)[1:])
     width, tokens, ms = choose_width(chances, costs, explore)
     cut, cut_buckets = [], []
     for d, b, c in zip(drafts, buckets, chances):
-        if width >= d.tokens.shape[0]:
+        if width >= len(b):
             cut.append(d)
             cut_buckets.append(b)
         elif width == 1:
@@ -291,12 +320,12 @@ def _choose_nodes(drafts: list[_Draft], acceptance, costs: CostModel, gate, draf
         else:
             nodes = likeliest(c, width)
             cut.append(d.keep(nodes))
-            cut_buckets.append(b[nodes])
+            cut_buckets.append([b[i] for i in nodes])
     if draft_ms is not None:
-        chain_only = [c * d.is_chain[1:].cpu() for c, d in zip(chances, drafts)]
+        chain_only = [[x if chain else 0.0 for x, chain in zip(c, d.host[3][1:])] for c, d in zip(chances, drafts)]
         _, chain_tokens, chain_ms = choose_width(chain_only, costs)
         gate.record(*draft_ms, tokens, ms, chain_tokens / chain_ms)
-        gate.used(max(int(d.tree.depths[~d.is_chain].max()) for d in cut))
+        gate.used(max(depth for d in cut for depth, chain in zip(d.host[0], d.host[3]) if not chain))
     return cut, cut_buckets
 
 
@@ -526,9 +555,7 @@ def clover_generate(
             stats.accepted_lengths.append(nodes.shape[0] - 1)
             stats.verified_tokens += n
             if budgeted:
-                on_path = torch.zeros(n, dtype=torch.bool)
-                on_path[nodes.cpu()] = True
-                acceptance.observe(buckets[b], on_path[tree.parents.cpu()], on_path)
+                acceptance.observe(buckets[b], draft.host[1], nodes.tolist())
             accepted.append((nodes, bonus, scores))
         clock.lap("accept")
 

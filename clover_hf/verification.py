@@ -139,6 +139,8 @@ def accept_greedy(
     Returns the accepted node indices (root first) and the bonus token (the base's choice after the
     last accepted node).
     """
+    if tokens.shape[0] == 1:  # a plain decoding step
+        return tokens.new_zeros(1), targets[0]
     correct = tokens == targets[tree.parents]
     correct[0] = True
     last, nodes = _deepest_path(correct, tree)
