@@ -22,7 +22,7 @@ from .budget import CostModel, DraftBudget, choose_width, cost_key, likeliest, p
 from .cache import compact_cache, new_cache, select_rows, select_slots
 from .hardware import timed
 from .heads import AugmentCache, DraftHeads, DraftLMHead
-from .lookup import lookup_match
+from .lookup import NgramIndex
 from .tree import DynamicTree, StepTree, TreeBuffers, build_tree, select_dynamic, with_chain
 from .verification import MaskLayout, accept_greedy, accept_sampled, process_tree_logits, sample_token
 
@@ -127,6 +127,7 @@ class _Row:
     next_pos: torch.Tensor  # () the root's position
     chain_len: int  # prompt-lookup chain length of the next step
     finished: bool
+    ngrams: NgramIndex | None = None  # its text's n-grams, for the lookup chain
     feature: torch.Tensor | None = None  # (H,) the heads' features at the last position they have seen
     aug_cache: AugmentCache | None = None
     # (hidden, next-token embeddings, positions), each (1, T, ...), of the last steps' positions the heads have not
@@ -475,6 +476,7 @@ def clover_generate(
         start = 0 if attention_mask is None else int(valid[b].long().argmax())
         row = _Row(emitter, start, root, positions[b].max() + 1, lookup, finished)
         if not finished:
+            row.ngrams = NgramIndex(emitter.input_ids[0, start:].tolist())
             cols = slice(None) if attention_mask is None else valid[b]
             text = torch.cat([input_ids[b, cols][1:], root.view(1)])
             row.pending.append((hidden[b, cols][None], embed(text)[None], positions[b, cols][None]))
@@ -510,7 +512,8 @@ def clover_generate(
             text = row.emitter.input_ids[0, row.start :]
             depth_left = generation_config.max_length - row.emitter.input_ids.shape[1] - 1  # after the bonus token
             chain_len = min(lookup_max if budgeted else row.chain_len, depth_left)
-            chain, ngram = lookup_match(text, chain_len) if chain_len > 0 else (row.root.new_empty(0), 0)
+            chain_start, ngram = row.ngrams.match(chain_len) if chain_len > 0 else (text.shape[0], 0)
+            chain = text[chain_start : chain_start + chain_len]
             if with_heads:
                 augment_start = time.perf_counter()
                 augmented += _catch_up(heads, row)
@@ -564,6 +567,7 @@ def clover_generate(
         for b, (row, draft, chain, (nodes, bonus, scores)) in enumerate(zip(active, drafts, chains, accepted)):
             new = torch.cat([draft.tokens[nodes[1:]], bonus.view(1)])
             n, row.finished = row.emitter.emit(new, scores[nodes], logits[b, nodes])
+            row.ngrams.extend(new[:n].tolist())
             kept.append(nodes[:n])  # the cache holds every emitted token but the last
             row.next_pos = row.next_pos + n
             row.root = bonus

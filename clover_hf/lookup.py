@@ -6,29 +6,50 @@ repeats itself the chain runs past the heads' depth, and the one verify forward 
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Iterable
+
 import torch
 
 
-def lookup_continuation(ids: torch.Tensor, num_tokens: int, max_ngram: int = 3) -> torch.Tensor:
-    """Up to `num_tokens` tokens that followed an earlier occurrence of the last n tokens of `ids`.
+class NgramIndex:
+    """Where each n-gram (n = 1..max_ngram) of a growing text occurs with a token after it.
 
-    Tries n = max_ngram down to 1 and takes the longest n with a match; among its matches, the most
-    recent one with `num_tokens` tokens after it, else the earliest. Empty when nothing matches.
-    ids: (L,) token ids, the newest last.
+    Decoding extends it by the tokens each step accepts, so finding the step's chain costs a
+    dictionary lookup per n, not a scan of the whole text.
     """
-    return lookup_match(ids, num_tokens, max_ngram)[0]
+
+    def __init__(self, ids: Iterable[int], max_ngram: int = 3) -> None:
+        self.max_ngram = max_ngram
+        self.ids: list[int] = []
+        self.starts: dict[tuple[int, ...], list[int]] = {}  # n-gram -> its start positions, ascending
+        self.extend(ids)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Append tokens to the text: the n-grams just before each now have a token after them."""
+        for token in tokens:
+            end = len(self.ids)
+            self.ids.append(token)
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self.starts.setdefault(tuple(self.ids[end - n : end]), []).append(end - n)
+
+    def match(self, num_tokens: int) -> tuple[int, int]:
+        """(start, n): the text's last n tokens occurred earlier, followed by the tokens from `start`.
+
+        Takes the longest n with a match; among its matches, the most recent one with `num_tokens`
+        tokens after it, else the earliest. (len(text), 0) when nothing matches.
+        """
+        length = len(self.ids)
+        for n in range(min(self.max_ngram, length - 1), 0, -1):
+            starts = self.starts.get(tuple(self.ids[length - n :]))
+            if starts:
+                full = bisect_right(starts, length - n - num_tokens)  # how many have num_tokens after them
+                return (starts[full - 1] if full else starts[0]) + n, n
+        return length, 0
 
 
-def lookup_match(ids: torch.Tensor, num_tokens: int, max_ngram: int = 3) -> tuple[torch.Tensor, int]:
-    """`lookup_continuation`'s tokens and the length n of the n-gram that found them (0: none found).
-    Longer matches are likelier to go on copying, so the draft budget weighs chains by it."""
-    length = ids.shape[0]
-    for n in range(min(max_ngram, length - 1), 0, -1):
-        windows = ids[: length - 1].unfold(0, n, 1)  # every earlier n-gram with a token after it
-        starts = (windows == ids[length - n :]).all(dim=-1).nonzero().flatten()
-        if starts.numel() == 0:
-            continue
-        full = starts[starts + n + num_tokens <= length]
-        start = int(full[-1] if full.numel() else starts[0]) + n
-        return ids[start : start + num_tokens], n
-    return ids[:0], 0
+def lookup_continuation(ids: torch.Tensor, num_tokens: int, max_ngram: int = 3) -> torch.Tensor:
+    """Up to `num_tokens` tokens that followed an earlier occurrence of the last n tokens of `ids`
+    (see `NgramIndex.match`); empty when nothing matches. ids: (L,) token ids, the newest last."""
+    start, _ = NgramIndex(ids.tolist(), max_ngram).match(num_tokens)
+    return ids[start : start + num_tokens]

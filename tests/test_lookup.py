@@ -7,7 +7,7 @@ import torch
 
 from clover_hf import CloverForCausalLM
 from clover_hf.config import CloverConfig
-from clover_hf.lookup import lookup_continuation
+from clover_hf.lookup import NgramIndex, lookup_continuation
 from clover_hf.tree import build_tree
 
 from .tiny import oracle_model, prompt, same, tiny_model
@@ -25,6 +25,30 @@ def test_lookup_continuation():
     assert lookup_continuation(t([1, 9, 9, 8, 1, 4, 4, 8, 1]), 2).tolist() == [4, 4]
     # the most recent match that has num_tokens after it, not the first one
     assert lookup_continuation(t([1, 2, 3, 7, 7, 1, 2, 3, 5, 6, 0, 0, 1, 2, 3]), 2, max_ngram=3).tolist() == [5, 6]
+
+
+def _scan(ids: list[int], num_tokens: int, max_ngram: int = 3) -> tuple[list[int], int]:
+    """The chain by scanning the whole text: the longest n-gram ending it that occurred earlier, its
+    most recent occurrence with num_tokens after it, else its first."""
+    for n in range(min(max_ngram, len(ids) - 1), 0, -1):
+        starts = [s for s in range(len(ids) - n) if ids[s : s + n] == ids[len(ids) - n :]]
+        if starts:
+            full = [s for s in starts if s + n + num_tokens <= len(ids)]
+            start = (full[-1] if full else starts[0]) + n
+            return ids[start : start + num_tokens], n
+    return [], 0
+
+
+def test_ngram_index_grown_step_by_step_finds_what_a_scan_finds():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(500):
+        length, vocab, num = (int(x) for x in torch.randint(1, 40, (3,), generator=generator))
+        ids = torch.randint(0, max(vocab // 6, 2), (length,), generator=generator).tolist()
+        index = NgramIndex(ids[: length // 2])
+        for token in ids[length // 2 :]:  # as decoding grows it, a step's tokens at a time
+            index.extend([token])
+        start, n = index.match(num)
+        assert (ids[start : start + num], n) == _scan(ids, num)
 
 
 def test_tree_with_lookup_chain():
