@@ -48,6 +48,8 @@ class CostModel:
     draft_ms: float | None = None  # drafting's cost per step when fixed; None: timed as decoding goes
     timed_ms: float = 0.0  # milliseconds of the steps timed (by this process)
     timed_at: dict[int, dict[int, float]] = field(default_factory=dict)  # rows -> {width: `timed_ms` when last timed}
+    # widths whose linear layers run as W @ x.T (`linears.faster_transposed`); None: not measured with these costs
+    transposed: list[int] | None = None
 
     @classmethod
     def from_function(cls, fn: Callable[[int, int], float], rows: range | tuple = range(1, 9),
@@ -115,11 +117,14 @@ class CostModel:
         self.timed_at.setdefault(rows, {})[width] = self.timed_ms
 
     def to_json(self) -> dict:
-        return {str(r): {str(w): round(ms, 3) for w, ms in sorted(c.items())} for r, c in self.ms.items()}
+        data = {str(r): {str(w): round(ms, 3) for w, ms in sorted(c.items())} for r, c in self.ms.items()}
+        return data if self.transposed is None else {**data, "transposed": self.transposed}
 
     @classmethod
     def from_json(cls, data: dict) -> "CostModel":
-        return cls({int(r): {int(w): float(ms) for w, ms in c.items()} for r, c in data.items()})
+        curves = {int(r): {int(w): float(ms) for w, ms in c.items()} for r, c in data.items() if r.isdigit()}
+        transposed = data.get("transposed")
+        return cls(curves, transposed=[int(w) for w in transposed] if isinstance(transposed, list) else None)
 
 
 def cost_key(model: torch.nn.Module, device: torch.device) -> str:
@@ -301,6 +306,10 @@ def prune(parents: list[int], depths: list[int], keep: list[int]) -> tuple[list[
 
 
 MIN_PAUSE, MAX_PAUSE = 4, 256  # steps without the heads after drafting did not pay; doubles while it still does not
+# Steps whose positions the Augmenting Block catches up on when the heads draft again after a pause: over all
+# of a pause of hundreds of steps, each retry would cost a good share of what the pause saved. Its attention
+# then skips the older positions: drafts lose a little accuracy, verification stays exact.
+CATCH_UP_STEPS = 32
 FULL_DEPTH_EVERY = 8  # of drafting steps, those that draft the tree's full depth whatever was used before
 
 
@@ -378,12 +387,14 @@ class DraftBudget:
             self._acceptance[key] = AcceptanceModel(depth, chain)
         return self._acceptance[key]
 
-    def costs(self, key: str, rows: int, limit: int, measure: Callable[[int], float], calibrate: bool | None
-              ) -> CostModel | None:
+    def costs(self, key: str, rows: int, limit: int, measure: Callable[[int, list[int]], float], calibrate: bool | None,
+              forms: Callable[[], list[int]] = list) -> CostModel | None:
         """The cost model for `key` covering `rows` rows up to width `limit`, or None where it has none.
 
-        calibrate None: measure (with `measure(width) -> ms`) what neither this process nor the user
-        cache has; True: measure again; False: never measure.
+        calibrate None: measure what neither this process nor the user cache has; True: measure again;
+        False: never measure. Measuring first asks `forms()` for the widths whose linear layers run
+        transposed (`linears.faster_transposed`), then times `measure(width, transposed) -> ms`. Costs
+        stored before the linear forms were chosen are measured again.
         """
         if self.fixed is not None:
             if not self.fixed.ms:
@@ -392,17 +403,21 @@ class DraftBudget:
         if key not in self._costs:
             self._costs[key] = load_costs(key, self.cache_dir) or CostModel()
         costs = self._costs[key]
+        if calibrate is None and costs.ms and costs.transposed is None:
+            self._costs[key] = costs = CostModel()  # measured before linear forms were chosen
         if calibrate or (calibrate is None and not costs.covers(rows, limit)):
+            if calibrate or costs.transposed is None:
+                costs.transposed = forms()
             widths = [w for w in WIDTHS if w < limit] + [limit]
             curve = costs.ms.setdefault(rows, {})
             todo = [w for w in widths if calibrate or w not in curve]
-            measure(1)  # warm-up: the first forward of a process pays for one-off set-up
+            measure(1, costs.transposed)  # warm-up: the first forward of a process pays for one-off set-up
             for w in todo:
-                curve[w] = measure(w)
+                curve[w] = measure(w, costs.transposed)
             for _ in range(2):  # narrow widths twice more, keeping the fastest: one slow forward must not
                 for w in todo:  # rule out a width the budget may well choose
                     if w <= NARROW:
-                        curve[w] = min(curve[w], measure(w))
+                        curve[w] = min(curve[w], measure(w, costs.transposed))
             save_costs(key, costs, self.cache_dir)
         return costs if costs.covers(rows, 1) else None
 

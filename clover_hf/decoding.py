@@ -8,6 +8,7 @@ cache -> feed the accepted tokens to the heads.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from collections import deque
@@ -18,10 +19,11 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, MaxLengthCriteria, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .budget import CostModel, DraftBudget, choose_width, cost_key, likeliest, path_chances, prune
+from .budget import CATCH_UP_STEPS, CostModel, DraftBudget, choose_width, cost_key, likeliest, path_chances, prune
 from .cache import compact_cache, new_cache, select_rows, select_slots
 from .hardware import timed
 from .heads import AugmentCache, DraftHeads, DraftLMHead
+from .linears import faster_transposed, transposed_linears
 from .lookup import NgramIndex
 from .tree import DynamicTree, StepTree, TreeBuffers, build_tree, select_dynamic, with_chain
 from .verification import MaskLayout, accept_greedy, accept_sampled, process_tree_logits, sample_token
@@ -96,25 +98,34 @@ class _Emitter:
 
 
 def _base_forward(model: PreTrainedModel, ids, mask, positions, cache, logits_to_keep: int = 0):
+    """Logits (B, n, V) in fp32 and the last hidden states (B, T, H) of one base forward.
+
+    The hidden states are read off the decoder's output with a hook: asking for `output_hidden_states`
+    collects every layer's, which cost 1% of a one-token step on a CPU."""
     kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep and model._supports_logits_to_keep() else {}
-    out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        output_hidden_states=True,
-        return_dict=True,
-        **kwargs,
-    )
-    return out.logits.float(), out.hidden_states[-1]  # (B, n, V) fp32, (B, T, H)
-
-
-# Steps whose positions the Augmenting Block catches up on when the heads draft again. While drafting
-# does not pay (bf16 on a CPU without native bf16) the heads pause for up to hundreds of steps; running
-# the block over all those positions would cost a share of every step's time. Its attention then skips
-# the positions of the older steps: drafts lose a little accuracy, verification stays exact.
-CATCH_UP_STEPS = 32
+    decoder = model.get_decoder()
+    captured = []
+    hook = None
+    if decoder is not model:
+        hook = decoder.register_forward_hook(lambda module, args, out: captured.append(out))
+    try:
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            output_hidden_states=hook is None,
+            return_dict=True,
+            **kwargs,
+        )
+    finally:
+        if hook is not None:
+            hook.remove()
+    if hook is None:
+        return out.logits.float(), out.hidden_states[-1]
+    last = captured[-1]
+    return out.logits.float(), last[0] if isinstance(last, tuple) else last.last_hidden_state
 
 
 @dataclass
@@ -332,17 +343,19 @@ def _choose_nodes(drafts: list[_Draft], acceptance, costs: CostModel, gate, draf
 
 def _measure_verify(model: PreTrainedModel, cache, positions: torch.Tensor, layout: MaskLayout,
                     token: torch.Tensor):
-    """`measure(width) -> ms`: the time of one forward of `width` tokens per row over the cache as it
-    is, which is then cut back. Calibrates the draft budget's cost model."""
+    """`measure(width, transposed) -> ms`: the time of one forward of `width` tokens per row over the
+    cache as it is (linear layers transposed at those widths), which is then cut back. Calibrates the
+    draft budget's cost model."""
     rows, past_len = positions.shape
     device = positions.device
     last = positions.max(dim=1, keepdim=True).values  # a position every model embeds: one it already has
 
-    def measure(width: int) -> float:
+    def measure(width: int, transposed: list[int]) -> float:
         new_pos = last.expand(rows, width)
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(rows, -1, -1)
         mask = layout.build(positions, new_pos, causal, model.dtype)
-        _, seconds = timed(lambda: _base_forward(model, token.expand(rows, width), mask, new_pos, cache), device)
+        with transposed_linears([model], transposed):
+            _, seconds = timed(lambda: _base_forward(model, token.expand(rows, width), mask, new_pos, cache), device)
         compact_cache(cache, past_len, new_pos[:, :0])
         return 1000 * seconds
 
@@ -492,99 +505,104 @@ def clover_generate(
         widest = (trees[-1].num_nodes if trees is not None else spec.nodes + lookup_max + 1)
         key = cost_key(model, device)
         measure = _measure_verify(model, cache, positions, layout, active[0].root)
-        costs = clover_budget.costs(key, len(active), widest, measure, clover_calibrate)
+        costs = clover_budget.costs(key, len(active), widest, measure, clover_calibrate,
+                                    forms=lambda: faster_transposed([model, heads]))
         acceptance = clover_budget.acceptance(sample, depth, lookup_max)
         acceptance.start_text()
     budgeted = costs is not None
 
     clock = _Clock(stats.stage_seconds if clover_profile else None, device)
-    while active:
-        # Draft a tree per row (with the heads, or the lookup chain alone), cut it to what pays,
-        # then verify all rows in one forward over the cache.
-        started = time.perf_counter()
-        with_heads = not budgeted or clover_budget.gate.drafting()
-        step_spec, step_trees = spec, trees
-        if with_heads and budgeted:
-            step_spec, step_trees = _shallower(spec, trees, clover_budget.gate.draft_depth(depth), lookup_max)
-        drafts, chains = [], []
-        augment_s, augmented = 0.0, 0
-        for row in active:
-            text = row.emitter.input_ids[0, row.start :]
-            depth_left = generation_config.max_length - row.emitter.input_ids.shape[1] - 1  # after the bonus token
-            chain_len = min(lookup_max if budgeted else row.chain_len, depth_left)
-            chain_start, ngram = row.ngrams.match(chain_len) if chain_len > 0 else (text.shape[0], 0)
-            chain = text[chain_start : chain_start + chain_len]
-            if with_heads:
-                augment_start = time.perf_counter()
-                augmented += _catch_up(heads, row)
-                augment_s += time.perf_counter() - augment_start
-                draft = _draft_tree(heads, row.feature, row.root, step_spec, step_trees, chain, ngram, embed, lm_head)
-            else:
-                draft = _chain_tree(row.root, chain, ngram)
-            drafts.append(_no_deeper(draft, depth_left))
-            chains.append(chain)
-        stats.head_drafts += with_heads
-        clock.lap("draft")
-        if budgeted:
-            draft_ms = None  # (drafting, Augmenting Block per position) in ms, when the heads drafted
-            if with_heads and costs.draft_ms is not None:
-                draft_ms = (costs.draft_ms, 0.0)
-            elif with_heads:
-                drafting_s = time.perf_counter() - started - augment_s
-                draft_ms = (1000 * drafting_s, 1000 * augment_s / max(augmented, 1))
-            drafts, buckets = _choose_nodes(drafts, acceptance, costs, clover_budget.gate, draft_ms,
-                                            explore=clover_budget.fixed is None)
-            clock.lap("choose")
-        verify_started = time.perf_counter()
-        past_len = positions.shape[1]
-        ids, node_pos, allowed = _stack_trees(drafts, active)
-        if plain_mask and ids.shape[1] == 1:
-            mask = torch.ones(1, past_len + 1, dtype=torch.long, device=device)
-        else:
-            mask = layout.build(positions, node_pos, allowed, dtype)
-        logits, hidden = _base_forward(model, ids, mask, node_pos, cache)
-        stats.steps += 1
-        clock.lap("verify forward")
-        accepted = []
-        for b, (row, draft) in enumerate(zip(active, drafts)):
-            tokens, tree = draft.tokens, draft.tree
-            n = tokens.shape[0]
-            scores = process_tree_logits(logits[b, :n], row.emitter.input_ids, tokens, tree, logits_processor)
-            if sample:
-                uniforms = torch.rand(n, device=device)
-                nodes, bonus = accept_sampled(tokens, scores.softmax(-1), tree, uniforms)
-            else:
-                nodes, bonus = accept_greedy(tokens, scores.argmax(-1), tree)
-            stats.accepted_lengths.append(nodes.shape[0] - 1)
-            stats.verified_tokens += n
+    # the verify forwards' linear layers in the form measured faster here (see linears.py)
+    transposed = frozenset(costs.transposed or ()) if budgeted else frozenset()
+    lm_head = dataclasses.replace(lm_head, transposed=transposed)
+    with transposed_linears([model, heads], transposed):
+        while active:
+            # Draft a tree per row (with the heads, or the lookup chain alone), cut it to what pays,
+            # then verify all rows in one forward over the cache.
+            started = time.perf_counter()
+            with_heads = not budgeted or clover_budget.gate.drafting()
+            step_spec, step_trees = spec, trees
+            if with_heads and budgeted:
+                step_spec, step_trees = _shallower(spec, trees, clover_budget.gate.draft_depth(depth), lookup_max)
+            drafts, chains = [], []
+            augment_s, augmented = 0.0, 0
+            for row in active:
+                text = row.emitter.input_ids[0, row.start :]
+                depth_left = generation_config.max_length - row.emitter.input_ids.shape[1] - 1  # after the bonus token
+                chain_len = min(lookup_max if budgeted else row.chain_len, depth_left)
+                chain_start, ngram = row.ngrams.match(chain_len) if chain_len > 0 else (text.shape[0], 0)
+                chain = text[chain_start : chain_start + chain_len]
+                if with_heads:
+                    augment_start = time.perf_counter()
+                    augmented += _catch_up(heads, row)
+                    augment_s += time.perf_counter() - augment_start
+                    draft = _draft_tree(heads, row.feature, row.root, step_spec, step_trees, chain, ngram, embed, lm_head)
+                else:
+                    draft = _chain_tree(row.root, chain, ngram)
+                drafts.append(_no_deeper(draft, depth_left))
+                chains.append(chain)
+            stats.head_drafts += with_heads
+            clock.lap("draft")
             if budgeted:
-                acceptance.observe(buckets[b], draft.host[1], nodes.tolist())
-            accepted.append((nodes, bonus, scores))
-        clock.lap("accept")
+                draft_ms = None  # (drafting, Augmenting Block per position) in ms, when the heads drafted
+                if with_heads and costs.draft_ms is not None:
+                    draft_ms = (costs.draft_ms, 0.0)
+                elif with_heads:
+                    drafting_s = time.perf_counter() - started - augment_s
+                    draft_ms = (1000 * drafting_s, 1000 * augment_s / max(augmented, 1))
+                drafts, buckets = _choose_nodes(drafts, acceptance, costs, clover_budget.gate, draft_ms,
+                                                explore=clover_budget.fixed is None)
+                clock.lap("choose")
+            verify_started = time.perf_counter()
+            past_len = positions.shape[1]
+            ids, node_pos, allowed = _stack_trees(drafts, active)
+            if plain_mask and ids.shape[1] == 1:
+                mask = torch.ones(1, past_len + 1, dtype=torch.long, device=device)
+            else:
+                mask = layout.build(positions, node_pos, allowed, dtype)
+            logits, hidden = _base_forward(model, ids, mask, node_pos, cache)
+            stats.steps += 1
+            clock.lap("verify forward")
+            accepted = []
+            for b, (row, draft) in enumerate(zip(active, drafts)):
+                tokens, tree = draft.tokens, draft.tree
+                n = tokens.shape[0]
+                scores = process_tree_logits(logits[b, :n], row.emitter.input_ids, tokens, tree, logits_processor)
+                if sample:
+                    uniforms = torch.rand(n, device=device)
+                    nodes, bonus = accept_sampled(tokens, scores.softmax(-1), tree, uniforms)
+                else:
+                    nodes, bonus = accept_greedy(tokens, scores.argmax(-1), tree)
+                stats.accepted_lengths.append(nodes.shape[0] - 1)
+                stats.verified_tokens += n
+                if budgeted:
+                    acceptance.observe(buckets[b], draft.host[1], nodes.tolist())
+                accepted.append((nodes, bonus, scores))
+            clock.lap("accept")
 
-        # Emit each row's accepted drafts and bonus token; each was scored at its parent node.
-        news, kept = [], []
-        for b, (row, draft, chain, (nodes, bonus, scores)) in enumerate(zip(active, drafts, chains, accepted)):
-            new = torch.cat([draft.tokens[nodes[1:]], bonus.view(1)])
-            n, row.finished = row.emitter.emit(new, scores[nodes], logits[b, nodes])
-            row.ngrams.extend(new[:n].tolist())
-            kept.append(nodes[:n])  # the cache holds every emitted token but the last
-            row.next_pos = row.next_pos + n
-            row.root = bonus
-            # while the text copies earlier text, let the next chain reach further (as HF's assistant heuristic)
-            copied = 0 < chain.shape[0] < n and torch.equal(new[: chain.shape[0]], chain)
-            row.chain_len = min(2 * row.chain_len, lookup_max) if copied else lookup
-            news.append(new)
-        positions = torch.cat([positions, _compact(cache, past_len, kept, node_pos)], dim=1)
-        if len(active) > 1:
-            positions = _repack(cache, positions)
-        clock.lap("emit + compact")
-        if budgeted and clover_budget.fixed is None:
-            costs.observe(len(active), ids.shape[1], 1000 * (time.perf_counter() - verify_started))
-        for b, (row, (nodes, _, _), new) in enumerate(zip(active, accepted, news)):
-            if not row.finished:
-                row.pending.append((hidden[b, nodes][None], embed(new)[None], node_pos[b, nodes][None]))
-        active, positions = _drop_finished(active, cache, positions)
+            # Emit each row's accepted drafts and bonus token; each was scored at its parent node.
+            news, kept = [], []
+            for b, (row, draft, chain, (nodes, bonus, scores)) in enumerate(zip(active, drafts, chains, accepted)):
+                new = torch.cat([draft.tokens[nodes[1:]], bonus.view(1)])
+                n, row.finished = row.emitter.emit(new, scores[nodes], logits[b, nodes])
+                row.ngrams.extend(new[:n].tolist())
+                kept.append(nodes[:n])  # the cache holds every emitted token but the last
+                row.next_pos = row.next_pos + n
+                row.root = bonus
+                # while the text copies earlier text, let the next chain reach further (as HF's assistant heuristic)
+                copied = 0 < chain.shape[0] < n and torch.equal(new[: chain.shape[0]], chain)
+                row.chain_len = min(2 * row.chain_len, lookup_max) if copied else lookup
+                news.append(new)
+            positions = torch.cat([positions, _compact(cache, past_len, kept, node_pos)], dim=1)
+            if len(active) > 1:
+                positions = _repack(cache, positions)
+            clock.lap("emit + compact")
+            if budgeted and clover_budget.fixed is None:
+                costs.observe(len(active), ids.shape[1], 1000 * (time.perf_counter() - verify_started))
+            for b, (row, (nodes, _, _), new) in enumerate(zip(active, accepted, news)):
+                if not row.finished:
+                    row.pending.append((hidden[b, nodes][None], embed(new)[None], node_pos[b, nodes][None]))
+            active, positions = _drop_finished(active, cache, positions)
 
     if budgeted:
         clover_budget.save(key)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import CloverConfig
+from .linears import transposed_linear
 
 if TYPE_CHECKING:
     from .tree import TreeBuffers
@@ -182,10 +183,14 @@ class DraftLMHead:
     weight: torch.Tensor  # (V', H) in the base's dtype, or int8 rows scaled by `scales`
     bias: torch.Tensor | None = None
     scales: torch.Tensor | None = None  # (V',) per-row scales of int8 rows, in the activations' dtype
+    transposed: frozenset[int] = frozenset()  # row counts computed as W @ x.T (`linears.faster_transposed`)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.scales is None:
-            return F.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
+            x = hidden.to(self.weight.dtype)
+            if x.numel() // x.shape[-1] in self.transposed:
+                return transposed_linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight, self.bias)
         x = hidden.to(self.scales.dtype).reshape(-1, hidden.shape[-1]).contiguous()
         out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
         out = out.view(*hidden.shape[:-1], self.weight.shape[0])

@@ -13,6 +13,7 @@ import torch
 
 from clover_hf import CloverForCausalLM, CostModel, DraftBudget
 from clover_hf.budget import (
+    CATCH_UP_STEPS,
     HEAD_BINS,
     MIN_PAUSE,
     AcceptanceModel,
@@ -24,7 +25,6 @@ from clover_hf.budget import (
     prune,
     save_costs,
 )
-from clover_hf.decoding import CATCH_UP_STEPS
 from clover_hf.hardware import default_dtype, native_bf16_cpu
 
 from .tiny import ARCHS, left_padded, prompt, same, tiny_model
@@ -65,26 +65,42 @@ def test_costs_are_kept_per_key(tmp_path):
 
 
 def test_budget_measures_only_what_it_does_not_know(tmp_path):
-    calls = []
+    calls, planned = [], []
 
-    def measure(width: int) -> float:
-        calls.append(width)
-        return 10.0 + width + (5.0 if calls.count(width) == 1 else 0.0)  # the first forward of a width is slow
+    def measure(width: int, transposed: list[int]) -> float:
+        calls.append((width, tuple(transposed)))
+        return 10.0 + width + (5.0 if calls.count(calls[-1]) == 1 else 0.0)  # the first forward of a width is slow
+
+    def forms() -> list[int]:
+        planned.append(True)
+        return [2, 3]
 
     budget = DraftBudget(cache_dir=tmp_path)
-    costs = budget.costs("m", rows=1, limit=11, measure=measure, calibrate=None)
-    assert calls[0] == 1 and sorted(set(calls)) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11]  # warm-up, then each width
+    costs = budget.costs("m", rows=1, limit=11, measure=measure, calibrate=None, forms=forms)
+    widths = [w for w, _ in calls]
+    assert widths[0] == 1 and sorted(set(widths)) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11]  # warm-up, then each width
     assert len(calls) == 1 + 10 + 2 * 8  # widths up to 8 measured thrice; the fastest counts
+    assert {t for _, t in calls} == {(2, 3)} and costs.transposed == [2, 3]  # timed with the linear forms chosen first
     assert costs.predict(1, 11) == 26.0 and costs.predict(1, 8) == 18.0  # narrow widths: the fastest of three
     calls.clear()
-    assert budget.costs("m", 1, 11, measure, None) is costs and calls == []  # known: nothing measured
-    again = DraftBudget(cache_dir=tmp_path).costs("m", 1, 11, measure, None)  # a new process reads the cache
-    assert calls == [] and again.ms == costs.ms
-    DraftBudget(cache_dir=tmp_path).costs("m", 1, 11, measure, calibrate=True)
-    assert len(calls) == 1 + 10 + 2 * 8  # forced: every width again, after the warm-up
+    assert budget.costs("m", 1, 11, measure, None, forms) is costs and calls == []  # known: nothing measured
+    again = DraftBudget(cache_dir=tmp_path).costs("m", 1, 11, measure, None, forms)  # a new process reads the cache
+    assert calls == [] and again.ms == costs.ms and again.transposed == [2, 3] and len(planned) == 1
+    DraftBudget(cache_dir=tmp_path).costs("m", 1, 11, measure, calibrate=True, forms=forms)
+    assert len(calls) == 1 + 10 + 2 * 8 and len(planned) == 2  # forced: forms and every width again
     calls.clear()
     assert DraftBudget(cache_dir=tmp_path).costs("other", 1, 11, measure, calibrate=False) is None
     assert calls == []  # skipped: nothing measured, and without stored costs no budget
+
+
+def test_costs_stored_before_linear_forms_were_chosen_are_measured_again(tmp_path):
+    save_costs("m", CostModel({1: {1: 50.0, 4: 90.0, 8: 95.0}}), tmp_path)
+    assert load_costs("m", tmp_path).transposed is None
+    calls = []
+    costs = DraftBudget(cache_dir=tmp_path).costs("m", 1, 8, lambda w, t: calls.append(w) or 20.0 + w, None,
+                                                 forms=lambda: [2])
+    assert costs.transposed == [2] and costs.predict(1, 8) == 28.0 and 8 in calls
+    assert load_costs("m", tmp_path).transposed == [2]
 
 
 def test_acceptance_learns_per_bucket():
@@ -221,13 +237,13 @@ def test_likeliest_nodes_form_a_tree():
 def test_heads_gate_pauses_while_drafting_does_not_pay():
     gate = HeadsGate()
     assert gate.drafting()
-    gate.record(draft_ms=20.0, augment_ms=0.0, tokens=1.5, verify_ms=10.0, rate_without=0.1)  # 1.5/30 < 0.1
+    gate.record(draft_ms=0.1, augment_ms=0.0, tokens=1.5, verify_ms=10.0, rate_without=0.2)  # 1.5/10.1 < 0.2
     assert [gate.drafting() for _ in range(MIN_PAUSE + 1)] == [False] * MIN_PAUSE + [True]
-    gate.record(draft_ms=20.0, augment_ms=0.0, tokens=1.5, verify_ms=10.0, rate_without=0.1)
+    gate.record(draft_ms=0.1, augment_ms=0.0, tokens=1.5, verify_ms=10.0, rate_without=0.2)
     assert [gate.drafting() for _ in range(2 * MIN_PAUSE + 1)] == [False] * (2 * MIN_PAUSE) + [True]  # doubled
-    gate.record(draft_ms=0.0, augment_ms=1.0, tokens=3.0, verify_ms=10.0, rate_without=0.1)  # pays now
+    gate.record(draft_ms=0.0, augment_ms=0.0, tokens=3.0, verify_ms=10.0, rate_without=0.2)  # pays now
     assert gate.drafting() and gate.next_pause == 2 * MIN_PAUSE  # halved with each step that pays
-    gate.record(draft_ms=0.0, augment_ms=1.0, tokens=3.0, verify_ms=10.0, rate_without=0.1)
+    gate.record(draft_ms=0.0, augment_ms=0.0, tokens=3.0, verify_ms=10.0, rate_without=0.2)
     assert gate.drafting() and gate.next_pause == MIN_PAUSE
 
 
