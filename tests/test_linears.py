@@ -7,18 +7,19 @@ import torch
 import torch.nn.functional as F
 
 from clover_hf import CloverForCausalLM, CostModel
-from clover_hf.linears import MAX_ROWS, faster_transposed, transposed_linear, transposed_linears
+from clover_hf.linears import MAX_ROWS, PAD_ROWS, faster_transposed, transposed_linear, transposed_linears
 
 from .tiny import ARCHS, prompt, same, tiny_model
 
 EVERY = list(range(2, MAX_ROWS + 1))
 
 
-def test_transposed_linear_computes_f_linear():
+@pytest.mark.parametrize("rows", [1, 3, 8, 11, 16, 31])
+def test_transposed_linear_computes_f_linear(rows):
     torch.manual_seed(0)
-    weight, bias, x = torch.randn(48, 16), torch.randn(48), torch.randn(2, 3, 16)
+    weight, bias, x = torch.randn(48, 16), torch.randn(48), torch.randn(1, rows, 16)  # past 8 rows: padded
     out = transposed_linear(x, weight, bias)
-    assert out.shape == (2, 3, 48) and torch.allclose(out, F.linear(x, weight, bias), atol=1e-5)
+    assert out.shape == (1, rows, 48) and torch.allclose(out, F.linear(x, weight, bias), atol=1e-5)
 
 
 def test_transposed_linears_apply_to_listed_row_counts_and_are_undone():
@@ -40,7 +41,8 @@ def test_transposed_linears_apply_to_listed_row_counts_and_are_undone():
             one = model(ids[:, :1]).logits  # a row count not listed: F.linear
     assert torch.allclose(inside, ref, atol=1e-5) and torch.allclose(one, ref[:, :1], atol=1e-5)
     layers = sum(type(m) is torch.nn.Linear for m in model.modules()) - 1  # all but the lm_head with its own forward
-    assert len(calls) == layers and all(shape[1] == ids.shape[1] for shape in calls)  # x.T: (hidden, rows)
+    padded = ids.shape[1] + (-ids.shape[1]) % PAD_ROWS  # past PAD_ROWS rows, zero rows up to a multiple of it
+    assert len(calls) == layers and all(shape[1] == padded for shape in calls)  # x.T: (hidden, rows)
     assert model.lm_head.forward is own
     assert all("forward" not in m.__dict__ for m in model.modules() if m is not model.lm_head)
 
