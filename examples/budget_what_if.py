@@ -9,8 +9,10 @@ off the cost model: speedup = plain decoding's cost (one 1-token forward per tok
     python examples/budget_what_if.py --dtype float32 --limit 20 --set RECENT_RANGE=1,1   # no recent factor
 
 `--set NAME=VALUE` overrides a constant of `clover_hf.budget` (comma-separated values make a tuple).
-The default costs are medians of 7 timings on an AVX2-only AMD EPYC, 2 threads, 200-token cache;
-`--costs '{"1": 40, "2": 60, ...}'` gives others (ms by tokens per forward).
+The default costs are medians of 7 timings on an AVX2-only AMD EPYC, 2 threads, 200-token cache, with
+`F.linear` at every width (before the budget chose linear forms: in float32 there, 2-16-token forwards
+now cost 1.3-1.7x a one-token one instead of 1.7-2x); `--costs '{"1": 40, "2": 60, ...}'` gives
+others (ms by tokens per forward).
 """
 
 from __future__ import annotations
