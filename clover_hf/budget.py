@@ -32,7 +32,7 @@ import torch
 
 # Widths (tokens verified per row) a calibration measures; others are interpolated.
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
-COSTS_FILE = "verify_costs.json"
+COSTS_FILE = "verify_costs.v2.json"  # v2 entries carry the linear forms, which v1 readers (clover-hf 0.5) reject
 OUTLIER = 2.0  # a timed step counts at most this many times the estimate
 NARROW = 8  # widths up to this are calibrated three times, wider ones once (they cost more and are chosen less)
 STALE_COST = 600  # a width is doubted most once the steps timed since it add up to this many times its own cost
@@ -48,7 +48,8 @@ class CostModel:
     draft_ms: float | None = None  # drafting's cost per step when fixed; None: timed as decoding goes
     timed_ms: float = 0.0  # milliseconds of the steps timed (by this process)
     timed_at: dict[int, dict[int, float]] = field(default_factory=dict)  # rows -> {width: `timed_ms` when last timed}
-    # widths whose linear layers run as W @ x.T (`linears.faster_transposed`); None: not measured with these costs
+    # row counts (batch rows x tokens) whose linear layers run as W @ x.T (`linears.faster_transposed`);
+    # None: not measured with these costs
     transposed: list[int] | None = None
 
     @classmethod
@@ -308,7 +309,8 @@ def prune(parents: list[int], depths: list[int], keep: list[int]) -> tuple[list[
 MIN_PAUSE, MAX_PAUSE = 4, 256  # steps without the heads after drafting did not pay; doubles while it still does not
 # Steps whose positions the Augmenting Block catches up on when the heads draft again after a pause: over all
 # of a pause of hundreds of steps, each retry would cost a good share of what the pause saved. Its attention
-# then skips the older positions: drafts lose a little accuracy, verification stays exact.
+# then skips the older positions (the prompt's too, when the pause began in an earlier call): drafts lose
+# accuracy where the heads were not paying anyway, verification stays exact.
 CATCH_UP_STEPS = 32
 FULL_DEPTH_EVERY = 8  # of drafting steps, those that draft the tree's full depth whatever was used before
 
@@ -392,7 +394,7 @@ class DraftBudget:
         """The cost model for `key` covering `rows` rows up to width `limit`, or None where it has none.
 
         calibrate None: measure what neither this process nor the user cache has; True: measure again;
-        False: never measure. Measuring first asks `forms()` for the widths whose linear layers run
+        False: never measure. Measuring first asks `forms()` for the row counts whose linear layers run
         transposed (`linears.faster_transposed`), then times `measure(width, transposed) -> ms`. Costs
         stored before the linear forms were chosen are measured again.
         """
@@ -407,7 +409,10 @@ class DraftBudget:
             self._costs[key] = costs = CostModel()  # measured before linear forms were chosen
         if calibrate or (calibrate is None and not costs.covers(rows, limit)):
             if calibrate or costs.transposed is None:
-                costs.transposed = forms()
+                transposed = forms()
+                if transposed != costs.transposed:  # curves timed under other forms no longer hold
+                    costs.ms = {r: c for r, c in costs.ms.items() if r == rows}
+                costs.transposed = transposed
             widths = [w for w in WIDTHS if w < limit] + [limit]
             curve = costs.ms.setdefault(rows, {})
             todo = [w for w in widths if calibrate or w not in curve]

@@ -101,13 +101,12 @@ def _base_forward(model: PreTrainedModel, ids, mask, positions, cache, logits_to
     """Logits (B, n, V) in fp32 and the last hidden states (B, T, H) of one base forward.
 
     The hidden states are read off the decoder's output with a hook: asking for `output_hidden_states`
-    collects every layer's, which cost 1% of a one-token step on a CPU."""
+    collects every layer's, which cost 1% of a one-token step on a CPU. A model that is its own
+    decoder is asked for them."""
     kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep and model._supports_logits_to_keep() else {}
     decoder = model.get_decoder()
     captured = []
-    hook = None
-    if decoder is not model:
-        hook = decoder.register_forward_hook(lambda module, args, out: captured.append(out))
+    hook = None if decoder is model else decoder.register_forward_hook(lambda m, args, out: captured.append(out))
     try:
         out = model(
             input_ids=ids,
@@ -124,6 +123,9 @@ def _base_forward(model: PreTrainedModel, ids, mask, positions, cache, logits_to
             hook.remove()
     if hook is None:
         return out.logits.float(), out.hidden_states[-1]
+    if not captured:
+        raise RuntimeError(f"{type(model).__name__}.get_decoder() returned a module its forward did not run; Clover "
+                           "reads the last hidden states from it")
     last = captured[-1]
     return out.logits.float(), last[0] if isinstance(last, tuple) else last.last_hidden_state
 
@@ -164,8 +166,8 @@ class _Draft:
         """(depths, parents, probs, is_chain) as lists, read in one transfer (the step's one host sync)."""
         if self.host is None:
             t = self.tree
-            depths, parents, probs, chain = torch.stack(
-                [t.depths.double(), t.parents.double(), self.probs.double(), self.is_chain.double()]).tolist()
+            depths, parents, probs, chain = torch.stack(  # float32: exact for node counts, and MPS has no float64
+                [t.depths.float(), t.parents.float(), self.probs.float(), self.is_chain.float()]).tolist()
             self.host = ([int(d) for d in depths], [int(p) for p in parents], probs, [c > 0 for c in chain])
         return self.host
 
@@ -173,11 +175,9 @@ class _Draft:
         """The draft cut to `nodes` (sorted, root first, closed under parents)."""
         depths, parents, probs, is_chain = self.on_host()
         kept_parents, kept_depths = prune(parents, depths, nodes)
-        device = self.tokens.device
-        tree = StepTree.from_parents(torch.tensor(kept_parents, device=device), torch.tensor(kept_depths, device=device),
-                                     max(kept_depths))
+        index, parents_t, depths_t = torch.tensor([nodes, kept_parents, kept_depths], device=self.tokens.device)
+        tree = StepTree.from_parents(parents_t, depths_t, max(kept_depths))
         host = (kept_depths, kept_parents, [probs[i] for i in nodes], [is_chain[i] for i in nodes])
-        index = torch.tensor(nodes, device=device)
         return _Draft(self.tokens[index], tree, self.probs[index], self.is_chain[index], self.ngram, host)
 
     def root_only(self) -> "_Draft":

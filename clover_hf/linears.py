@@ -97,7 +97,7 @@ def transposed_linears(models: Iterable[nn.Module], rows: Collection[int]) -> It
             return transposed_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    layers = [m for model in models for m in _linears(model)]
+    layers = list({id(m): m for model in models for m in _linears(model)}.values())  # a layer listed twice once
     for m in layers:
         m.forward = types.MethodType(forward, m)
     try:

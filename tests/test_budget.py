@@ -14,6 +14,7 @@ import torch
 from clover_hf import CloverForCausalLM, CostModel, DraftBudget
 from clover_hf.budget import (
     CATCH_UP_STEPS,
+    COSTS_FILE,
     HEAD_BINS,
     MIN_PAUSE,
     AcceptanceModel,
@@ -60,7 +61,7 @@ def test_costs_are_kept_per_key(tmp_path):
     save_costs("machine B", CostModel({1: {1: 9.0}}), tmp_path)
     assert load_costs("machine A", tmp_path).ms == {1: {1: 5.0, 2: 6.0}}
     assert load_costs("machine B", tmp_path).ms == {1: {1: 9.0}}
-    (tmp_path / "verify_costs.json").write_text("{not json")
+    (tmp_path / COSTS_FILE).write_text("{not json")
     assert load_costs("machine A", tmp_path) is None  # a damaged file is measured again, not fatal
 
 
@@ -101,6 +102,15 @@ def test_costs_stored_before_linear_forms_were_chosen_are_measured_again(tmp_pat
                                                  forms=lambda: [2])
     assert costs.transposed == [2] and costs.predict(1, 8) == 28.0 and 8 in calls
     assert load_costs("m", tmp_path).transposed == [2]
+
+
+def test_forms_that_change_on_recalibration_drop_curves_timed_under_the_old_ones(tmp_path):
+    budget = DraftBudget(cache_dir=tmp_path)
+    measure = lambda width, transposed: 10.0 + width  # noqa: E731
+    budget.costs("m", 2, 4, measure, None, forms=lambda: [4])
+    assert set(budget.costs("m", 1, 4, measure, None, forms=lambda: [2]).ms) == {1, 2}  # forms kept: [4]
+    costs = budget.costs("m", 1, 4, measure, True, forms=lambda: [3])
+    assert costs.transposed == [3] and set(costs.ms) == {1}
 
 
 def test_acceptance_learns_per_bucket():
@@ -321,7 +331,7 @@ def test_auto_budget_calibrates_once_and_stays_exact(tmp_path, monkeypatch):
     ids = prompt(7)
     ref = base.generate(ids, max_new_tokens=20, do_sample=False)
     assert same(clover.generate(ids, max_new_tokens=20, do_sample=False), ref)
-    stored = json.loads((tmp_path / "verify_costs.json").read_text())
+    stored = json.loads((tmp_path / COSTS_FILE).read_text())
     (key, curves), = stored.items()
     assert "float32" in key and torch.backends.cpu.get_cpu_capability() in key
     assert max(int(w) for w in curves["1"]) == len(clover.clover_config.tree) + 1 + 4  # the widest tree + chain

@@ -68,3 +68,12 @@ def test_forms_are_measured_on_the_cpu_within_their_bounds():
     rows = faster_transposed([model], reps=1)
     assert set(rows) <= set(EVERY)
     assert faster_transposed([torch.nn.Sequential()]) == []  # no linear layers: nothing to measure
+
+
+def test_transposed_linears_are_undone_on_error_and_take_a_layer_listed_twice_once():
+    model = tiny_model("llama")
+    with pytest.raises(RuntimeError, match="stop"):
+        with transposed_linears([model, model], [2]):
+            assert "forward" in model.lm_head.__dict__
+            raise RuntimeError("stop")
+    assert all("forward" not in m.__dict__ for m in model.modules())
