@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import CloverConfig
-from .linears import transposed_linear
+from .linears import linear
 
 if TYPE_CHECKING:
     from .tree import TreeBuffers
@@ -187,10 +187,7 @@ class DraftLMHead:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.scales is None:
-            x = hidden.to(self.weight.dtype)
-            if x.numel() // x.shape[-1] in self.transposed:
-                return transposed_linear(x, self.weight, self.bias)
-            return F.linear(x, self.weight, self.bias)
+            return linear(hidden.to(self.weight.dtype), self.weight, self.bias, self.transposed)
         x = hidden.to(self.scales.dtype).reshape(-1, hidden.shape[-1]).contiguous()
         out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
         out = out.view(*hidden.shape[:-1], self.weight.shape[0])

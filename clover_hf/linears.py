@@ -44,6 +44,14 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: Collection[int]
+           ) -> torch.Tensor:
+    """F.linear(x, weight, bias), computed by `transposed_linear` where x's row count is in `transposed`."""
+    if x.dim() >= 2 and x.numel() // x.shape[-1] in transposed:
+        return transposed_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def _best_ms(fn, reps: int) -> float:
     fn()
     best = float("inf")
@@ -93,9 +101,7 @@ def transposed_linears(models: Iterable[nn.Module], rows: Collection[int]) -> It
         return
 
     def forward(self, x):
-        if x.dim() >= 2 and x.numel() // x.shape[-1] in rows:
-            return transposed_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, rows)
 
     layers = list({id(m): m for model in models for m in _linears(model)}.values())  # a layer listed twice once
     for m in layers:
