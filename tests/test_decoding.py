@@ -193,6 +193,19 @@ def test_return_dict_scores_and_logits():
     assert out.past_key_values.get_seq_length() == out.sequences.shape[1] - 1
 
 
+def test_returned_tensors_are_normal_and_the_cache_continues_plain_decoding():
+    """The loop runs under inference mode; what it returns must not be inference tensors."""
+    base = tiny_model("llama")
+    ids = prompt(10)
+    kw = dict(do_sample=False, return_dict_in_generate=True, output_scores=True)
+    out = oracle_model(base, base.generate(ids, max_new_tokens=30, do_sample=False)).generate(
+        ids, max_new_tokens=20, **kw)
+    assert not out.sequences.is_inference() and not any(s.is_inference() for s in out.scores)
+    out.sequences[0, 0] = out.sequences[0, 0]  # in place, as callers do
+    more = base.generate(out.sequences, past_key_values=out.past_key_values, max_new_tokens=10, do_sample=False)
+    assert same(more, base.generate(ids, max_new_tokens=30, do_sample=False))
+
+
 def test_attention_mask_with_left_padding():
     base = tiny_model("llama")
     ids = prompt(11)
