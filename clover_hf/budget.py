@@ -32,7 +32,7 @@ import torch
 
 # Widths (tokens verified per row) a calibration measures; others are interpolated.
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
-COSTS_FILE = "verify_costs.v2.json"  # v2 entries carry the linear forms, which v1 readers (clover-hf 0.5) reject
+COSTS_FILE = "verify_costs.v3.json"  # v3 entries carry a linear form per row count (v2: W @ x.T or not)
 OUTLIER = 2.0  # a timed step counts at most this many times the estimate
 NARROW = 8  # widths up to this are calibrated three times, wider ones once (they cost more and are chosen less)
 STALE_COST = 600  # a width is doubted most once the steps timed since it add up to this many times its own cost
@@ -48,9 +48,9 @@ class CostModel:
     draft_ms: float | None = None  # drafting's cost per step when fixed; None: timed as decoding goes
     timed_ms: float = 0.0  # milliseconds of the steps timed (by this process)
     timed_at: dict[int, dict[int, float]] = field(default_factory=dict)  # rows -> {width: `timed_ms` when last timed}
-    # row counts (batch rows x tokens) whose linear layers run as W @ x.T (`linears.faster_transposed`);
-    # None: not measured with these costs
-    transposed: list[int] | None = None
+    # how linear layers compute each row count (batch rows x tokens; `linears.faster_forms`), which the
+    # costs were timed under; None: not measured yet
+    forms: dict[int, str] | None = None
 
     @classmethod
     def from_function(cls, fn: Callable[[int, int], float], rows: range | tuple = range(1, 9),
@@ -119,13 +119,13 @@ class CostModel:
 
     def to_json(self) -> dict:
         data = {str(r): {str(w): round(ms, 3) for w, ms in sorted(c.items())} for r, c in self.ms.items()}
-        return data if self.transposed is None else {**data, "transposed": self.transposed}
+        return data if self.forms is None else {**data, "forms": {str(n): f for n, f in sorted(self.forms.items())}}
 
     @classmethod
     def from_json(cls, data: dict) -> "CostModel":
         curves = {int(r): {int(w): float(ms) for w, ms in c.items()} for r, c in data.items() if r.isdigit()}
-        transposed = data.get("transposed")
-        return cls(curves, transposed=[int(w) for w in transposed] if isinstance(transposed, list) else None)
+        forms = data.get("forms")
+        return cls(curves, forms={int(n): str(f) for n, f in forms.items()} if isinstance(forms, dict) else None)
 
 
 def cost_key(model: torch.nn.Module, device: torch.device) -> str:
@@ -389,40 +389,51 @@ class DraftBudget:
             self._acceptance[key] = AcceptanceModel(depth, chain)
         return self._acceptance[key]
 
-    def costs(self, key: str, rows: int, limit: int, measure: Callable[[int, list[int]], float], calibrate: bool | None,
-              forms: Callable[[], list[int]] = list) -> CostModel | None:
+    def _stored(self, key: str) -> CostModel:
+        if key not in self._costs:
+            self._costs[key] = load_costs(key, self.cache_dir) or CostModel()
+        return self._costs[key]
+
+    def forms(self, key: str, calibrate: bool | None, measure: Callable[[], dict[int, str]]) -> dict[int, str]:
+        """How linear layers compute each row count for `key` (`linears.faster_forms`): stored, else
+        measured by `measure()` (calibrate None: when not stored; True: again; False: never, which
+        leaves F.linear throughout). Costs timed under other forms, or before forms were chosen, are
+        dropped. A fixed cost model uses its own (none unless set)."""
+        if self.fixed is not None:
+            return self.fixed.forms or {}
+        costs = self._stored(key)
+        if calibrate or (calibrate is None and costs.forms is None):
+            forms = measure()
+            if forms != costs.forms:  # curves timed under other forms no longer hold
+                costs.ms, costs.timed_at = {}, {}
+            costs.forms = forms
+            save_costs(key, costs, self.cache_dir)
+        return costs.forms or {}
+
+    def costs(self, key: str, rows: int, limit: int, measure: Callable[[int], float], calibrate: bool | None
+              ) -> CostModel | None:
         """The cost model for `key` covering `rows` rows up to width `limit`, or None where it has none.
 
-        calibrate None: measure what neither this process nor the user cache has; True: measure again;
-        False: never measure. Measuring first asks `forms()` for the row counts whose linear layers run
-        transposed (`linears.faster_transposed`), then times `measure(width, transposed) -> ms`. Costs
-        stored before the linear forms were chosen are measured again.
+        calibrate None: time what neither this process nor the user cache has; True: time again;
+        False: never. `measure(width) -> ms` times one verify forward, in the linear forms `forms()`
+        chose (which comes first).
         """
         if self.fixed is not None:
             if not self.fixed.ms:
                 raise ValueError("the cost model given as budget holds no costs: build it with CostModel.from_function")
             return self.fixed
-        if key not in self._costs:
-            self._costs[key] = load_costs(key, self.cache_dir) or CostModel()
-        costs = self._costs[key]
-        if calibrate is None and costs.ms and costs.transposed is None:
-            self._costs[key] = costs = CostModel()  # measured before linear forms were chosen
+        costs = self._stored(key)
         if calibrate or (calibrate is None and not costs.covers(rows, limit)):
-            if calibrate or costs.transposed is None:
-                transposed = forms()
-                if transposed != costs.transposed:  # curves timed under other forms no longer hold
-                    costs.ms = {r: c for r, c in costs.ms.items() if r == rows}
-                costs.transposed = transposed
             widths = [w for w in WIDTHS if w < limit] + [limit]
             curve = costs.ms.setdefault(rows, {})
             todo = [w for w in widths if calibrate or w not in curve]
-            measure(1, costs.transposed)  # warm-up: the first forward of a process pays for one-off set-up
+            measure(1)  # warm-up: the first forward of a process pays for one-off set-up
             for w in todo:
-                curve[w] = measure(w, costs.transposed)
+                curve[w] = measure(w)
             for _ in range(2):  # narrow widths twice more, keeping the fastest: one slow forward must not
                 for w in todo:  # rule out a width the budget may well choose
                     if w <= NARROW:
-                        curve[w] = min(curve[w], measure(w, costs.transposed))
+                        curve[w] = min(curve[w], measure(w))
             save_costs(key, costs, self.cache_dir)
         return costs if costs.covers(rows, 1) else None
 

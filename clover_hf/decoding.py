@@ -23,7 +23,7 @@ from .budget import CATCH_UP_STEPS, CostModel, DraftBudget, choose_width, cost_k
 from .cache import compact_cache, new_cache, select_rows, select_slots
 from .hardware import timed
 from .heads import AugmentCache, DraftHeads, DraftLMHead
-from .linears import faster_transposed, transposed_linears
+from .linears import LinearForms, faster_forms, linear_forms
 from .lookup import NgramIndex
 from .tree import DynamicTree, StepTree, TreeBuffers, build_tree, select_dynamic, with_chain
 from .verification import MaskLayout, accept_greedy, accept_sampled, process_tree_logits, sample_token
@@ -342,19 +342,18 @@ def _choose_nodes(drafts: list[_Draft], acceptance, costs: CostModel, gate, draf
 
 
 def _measure_verify(model: PreTrainedModel, cache, positions: torch.Tensor, layout: MaskLayout,
-                    token: torch.Tensor):
-    """`measure(width, transposed) -> ms`: the time of one forward of `width` tokens per row over the
-    cache as it is (linear layers transposed at those widths), which is then cut back. Calibrates the
-    draft budget's cost model."""
+                    token: torch.Tensor, forms: LinearForms):
+    """`measure(width) -> ms`: the time of one forward of `width` tokens per row over the cache as it
+    is (linear layers in `forms`), which is then cut back. Calibrates the draft budget's cost model."""
     rows, past_len = positions.shape
     device = positions.device
     last = positions.max(dim=1, keepdim=True).values  # a position every model embeds: one it already has
 
-    def measure(width: int, transposed: list[int]) -> float:
+    def measure(width: int) -> float:
         new_pos = last.expand(rows, width)
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(rows, -1, -1)
         mask = layout.build(positions, new_pos, causal, model.dtype)
-        with transposed_linears([model], transposed):
+        with linear_forms([model], forms):
             _, seconds = timed(lambda: _base_forward(model, token.expand(rows, width), mask, new_pos, cache), device)
         compact_cache(cache, past_len, new_pos[:, :0])
         return 1000 * seconds
@@ -484,6 +483,10 @@ def clover_generate(
     dtype = model.dtype
     sample = bool(generation_config.do_sample)
 
+    # How linear layers compute each row count on this machine (linears.py); the prefill uses them too.
+    key = None if clover_budget is None else cost_key(model, device)
+    forms = {} if key is None else clover_budget.forms(key, clover_calibrate, lambda: faster_forms([model, heads]))
+
     # Prefill: the prompts through the base; each row's hidden states wait for the heads' first draft.
     attention_mask = model_kwargs.get("attention_mask")
     attention_mask = None if attention_mask is None else attention_mask.to(device)
@@ -493,7 +496,8 @@ def clover_generate(
     causal = (eye.new_ones(prompt_len, prompt_len).tril() & valid[:, None, :]) | eye
     cache = new_cache()
     mask = layout.build(positions[:, :0], positions, causal, dtype)
-    logits, hidden = _base_forward(model, input_ids, mask, positions.clamp(min=0), cache, logits_to_keep=1)
+    with linear_forms([model], forms):
+        logits, hidden = _base_forward(model, input_ids, mask, positions.clamp(min=0), cache, logits_to_keep=1)
     stats.steps += 1
     scores = logits_processor(input_ids, logits[:, -1])
     rows = []
@@ -517,22 +521,19 @@ def clover_generate(
     plain_mask = batch == 1 and not layout.mapping and layout.sliding_window is None and bool(valid.all())
 
     # The draft budget: this machine's verify costs (measured now if unknown) and calibrated acceptance.
-    costs = acceptance = key = None
+    costs = acceptance = None
     if clover_budget is not None and active:
         widest = (trees[-1].num_nodes if trees is not None else spec.nodes + lookup_max + 1)
-        key = cost_key(model, device)
-        measure = _measure_verify(model, cache, positions, layout, active[0].root)
-        costs = clover_budget.costs(key, len(active), widest, measure, clover_calibrate,
-                                    forms=lambda: faster_transposed([model, heads]))
+        measure = _measure_verify(model, cache, positions, layout, active[0].root, forms)
+        costs = clover_budget.costs(key, len(active), widest, measure, clover_calibrate)
         acceptance = clover_budget.acceptance(sample, depth, lookup_max)
         acceptance.start_text()
     budgeted = costs is not None
 
     clock = _Clock(stats.stage_seconds if clover_profile else None, device)
-    # the verify forwards' linear layers in the form measured faster here (see linears.py)
-    transposed = frozenset(costs.transposed or ()) if budgeted else frozenset()
-    lm_head = dataclasses.replace(lm_head, transposed=transposed)
-    with transposed_linears([model, heads], transposed):
+    forms = forms if budgeted else {}  # without costs the whole tree is verified, in F.linear
+    lm_head = dataclasses.replace(lm_head, forms=forms)
+    with linear_forms([model, heads], forms):
         while active:
             # Draft a tree per row (with the heads, or the lookup chain alone), cut it to what pays,
             # then verify all rows in one forward over the cache.

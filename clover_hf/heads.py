@@ -8,7 +8,7 @@ model at run time and are passed in explicitly (`embed`, and the lm_head rows as
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import CloverConfig
-from .linears import linear
+from .linears import LinearForms, linear
 
 if TYPE_CHECKING:
     from .tree import TreeBuffers
@@ -183,11 +183,11 @@ class DraftLMHead:
     weight: torch.Tensor  # (V', H) in the base's dtype, or int8 rows scaled by `scales`
     bias: torch.Tensor | None = None
     scales: torch.Tensor | None = None  # (V',) per-row scales of int8 rows, in the activations' dtype
-    transposed: frozenset[int] = frozenset()  # row counts computed as W @ x.T (`linears.faster_transposed`)
+    forms: LinearForms = field(default_factory=dict)  # how each row count is computed (`linears.faster_forms`)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.scales is None:
-            return linear(hidden.to(self.weight.dtype), self.weight, self.bias, self.transposed)
+            return linear(hidden.to(self.weight.dtype), self.weight, self.bias, self.forms)
         x = hidden.to(self.scales.dtype).reshape(-1, hidden.shape[-1]).contiguous()
         out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
         out = out.view(*hidden.shape[:-1], self.weight.shape[0])

@@ -1,10 +1,12 @@
-"""How linear layers multiply the few rows of a verify step, chosen by what is faster on the CPU at hand.
+"""How linear layers multiply the rows of a forward, chosen by what is faster on the CPU at hand.
 
-A verify forward multiplies a handful of rows (the tree's tokens) by every weight, a shape BLAS
-libraries serve unevenly. On an AVX2-only AMD EPYC in fp32, `F.linear` (x @ W.T) took 1.6-2x as long
-for 2-4 rows as for one, while the same product as W @ x.T took 1.1-1.3x; in bf16 there the second
-form was twice as slow. So the form is timed per machine, per number of rows, on the model's own
-weight shapes, and used only where it wins.
+A verify forward multiplies a handful of rows (the tree's tokens) by every weight, a prefill a few
+hundred: shapes BLAS libraries serve unevenly. On an AVX2-only AMD EPYC in fp32, `F.linear`
+(x @ W.T) took 1.6-2x as long for 2-4 rows as for one, while the same product as W @ x.T took
+1.1-1.3x. In bf16 there (no native bf16), 16 rows took 11x one row's time and 245 rows 160x, while
+converting the weight and the rows to fp32 first took 4x and 25x: one row stays fastest in bf16 (it
+reads half the bytes), many rows are far faster computed in fp32. So each form is timed per
+machine, per number of rows, on the model's own weight shapes, and used only where it wins.
 """
 
 from __future__ import annotations
@@ -13,15 +15,22 @@ import contextlib
 import time
 import types
 from collections import Counter
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-MAX_ROWS = 64  # the transposed form is considered up to this many rows; prefills and longer inputs keep F.linear
-MIN_GAIN = 0.9  # it must take at most this share of F.linear's time
+LINEAR, TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED = "linear", "transposed", "float32", "float32_transposed"
+FORMS = (LINEAR, TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED)
+MAX_ROWS = 256  # forms are timed at 2, 4, ... this many rows; longer inputs take the form chosen here
+MIN_GAIN = 0.9  # another form must take at most this share of F.linear's time
 PAD_ROWS = 8
+VERIFY_ROWS = 64  # past this many rows (a prefill), the output embedding is not timed
+SLICE_ROWS = 16384  # larger weights are timed on this many of their rows
+
+# row count -> form, keyed by powers of two: a count takes the form of the power of two at or below it
+LinearForms = Mapping[int, str]
 
 
 def _linears(model: nn.Module) -> list[nn.Linear]:
@@ -44,12 +53,32 @@ def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: Collection[int]
-           ) -> torch.Tensor:
-    """F.linear(x, weight, bias), computed by `transposed_linear` where x's row count is in `transposed`."""
-    if x.dim() >= 2 and x.numel() // x.shape[-1] in transposed:
+def _upcast(x, weight, bias):
+    return x.float(), weight.float(), None if bias is None else bias.float()
+
+
+def form_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: str) -> torch.Tensor:
+    """F.linear(x, weight, bias) computed in `form`; the float32 forms return x's dtype."""
+    if form == TRANSPOSED:
         return transposed_linear(x, weight, bias)
+    if form == FLOAT32:
+        return F.linear(*_upcast(x, weight, bias)).to(x.dtype)
+    if form == FLOAT32_TRANSPOSED:
+        return transposed_linear(*_upcast(x, weight, bias)).to(x.dtype)
     return F.linear(x, weight, bias)
+
+
+def form_for(forms: LinearForms, rows: int) -> str:
+    """The form for `rows` rows: that of the largest power of two at or below it (at most MAX_ROWS)."""
+    if rows < 2 or not forms:
+        return LINEAR
+    return forms.get(min(1 << (rows.bit_length() - 1), MAX_ROWS), LINEAR)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, forms: LinearForms) -> torch.Tensor:
+    """F.linear(x, weight, bias) in the form `forms` gives x's row count."""
+    rows = x.numel() // x.shape[-1] if x.dim() >= 2 else 1
+    return form_linear(x, weight, bias, form_for(forms, rows))
 
 
 def _best_ms(fn, reps: int) -> float:
@@ -63,45 +92,52 @@ def _best_ms(fn, reps: int) -> float:
 
 
 @torch.no_grad()
-def faster_transposed(models: Iterable[nn.Module], reps: int = 2) -> list[int]:
-    """The row counts (2..MAX_ROWS) at which W @ x.T beats F.linear over the models' linear layers,
-    each weight shape weighted by how often it occurs. Timed at 2, 4, 8, ... rows, each count taking
-    the form of the power of two below it (past 8 rows, padding makes a count cost what the next
-    multiple of 8 does), until two in a row lose. CPU only: elsewhere, none."""
+def faster_forms(models: Iterable[nn.Module], reps: int = 3) -> dict[int, str]:
+    """The form faster than F.linear, by at least MIN_GAIN, over the models' linear layers at 2, 4, 8,
+    ... MAX_ROWS rows (each weight shape weighted by how often it occurs; the output embedding only up to
+    VERIFY_ROWS); counts where F.linear is fastest are left out. W @ x.T is tried always; the float32 forms for half-precision weights.
+    CPU only: elsewhere, none."""
+    models = list(models)
+    vocab = {id(m.get_output_embeddings()) for m in models if hasattr(m, "get_output_embeddings")}
     shapes = Counter()
     weights = {}
     for model in models:
         for m in _linears(model):
-            shapes[tuple(m.weight.shape)] += 1
-            weights[tuple(m.weight.shape)] = m.weight
-    if not weights or next(iter(weights.values())).device.type != "cpu":
-        return []
-    faster, losses, n = [], 0, 2
-    while n <= MAX_ROWS and losses < 2:
-        linear = transposed = 0.0
-        for shape, weight in weights.items():
-            x = torch.randn(n, weight.shape[1], dtype=weight.dtype)
-            linear += shapes[shape] * _best_ms(lambda: F.linear(x, weight), reps)
-            transposed += shapes[shape] * _best_ms(lambda: transposed_linear(x, weight, None), reps)
-        if transposed < MIN_GAIN * linear:
-            faster.extend(range(n, min(2 * n, MAX_ROWS + 1)))
-            losses = 0
-        else:
-            losses += 1
+            rows = m.weight.shape[0]
+            # a vocabulary-sized weight is timed on a slice of its rows: the time scales with them
+            shapes[tuple(m.weight.shape)] += rows / min(rows, SLICE_ROWS)
+            weights[tuple(m.weight.shape)] = (m.weight[:SLICE_ROWS], id(m) in vocab)
+    if not weights or next(iter(weights.values()))[0].device.type != "cpu":
+        return {}
+    dtype = next(iter(weights.values()))[0].dtype
+    candidates = (TRANSPOSED,) if dtype == torch.float32 else (TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED)
+    chosen, n = {}, 2
+    while n <= MAX_ROWS:
+        ms = dict.fromkeys((LINEAR, *candidates), 0.0)
+        for shape, (weight, output) in weights.items():
+            if output and n > VERIFY_ROWS:  # a prefill keeps the logits of its last row only
+                continue
+            x = torch.randn(n, weight.shape[1]).to(weight.dtype)
+            for form in ms:
+                ms[form] += shapes[shape] * _best_ms(lambda: form_linear(x, weight, None, form), 1 if output else reps)
+        best = min(candidates, key=ms.get)
+        if ms[best] < MIN_GAIN * ms[LINEAR]:
+            chosen[n] = best
         n *= 2
-    return faster
+    return chosen
 
 
 @contextlib.contextmanager
-def transposed_linears(models: Iterable[nn.Module], rows: Collection[int]) -> Iterator[None]:
-    """Within the block, the models' plain nn.Linear layers multiply inputs of `rows` rows as W @ x.T."""
-    rows = frozenset(rows)
-    if not rows:
+def linear_forms(models: Iterable[nn.Module], forms: LinearForms) -> Iterator[None]:
+    """Within the block, the models' plain nn.Linear layers compute in the form `forms` gives each
+    input's row count."""
+    if not forms:
         yield
         return
+    forms = dict(forms)
 
     def forward(self, x):
-        return linear(x, self.weight, self.bias, rows)
+        return linear(x, self.weight, self.bias, forms)
 
     layers = list({id(m): m for model in models for m in _linears(model)}.values())  # a layer listed twice once
     for m in layers:

@@ -68,49 +68,59 @@ def test_costs_are_kept_per_key(tmp_path):
 def test_budget_measures_only_what_it_does_not_know(tmp_path):
     calls, planned = [], []
 
-    def measure(width: int, transposed: list[int]) -> float:
-        calls.append((width, tuple(transposed)))
-        return 10.0 + width + (5.0 if calls.count(calls[-1]) == 1 else 0.0)  # the first forward of a width is slow
+    def measure(width: int) -> float:
+        calls.append(width)
+        return 10.0 + width + (5.0 if calls.count(width) == 1 else 0.0)  # the first forward of a width is slow
 
-    def forms() -> list[int]:
+    def forms() -> dict[int, str]:
         planned.append(True)
-        return [2, 3]
+        return {2: "transposed"}
 
     budget = DraftBudget(cache_dir=tmp_path)
-    costs = budget.costs("m", rows=1, limit=11, measure=measure, calibrate=None, forms=forms)
-    widths = [w for w, _ in calls]
-    assert widths[0] == 1 and sorted(set(widths)) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11]  # warm-up, then each width
+    assert budget.forms("m", None, forms) == {2: "transposed"} and len(planned) == 1  # the forms come first
+    costs = budget.costs("m", rows=1, limit=11, measure=measure, calibrate=None)
+    assert calls[0] == 1 and sorted(set(calls)) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11]  # warm-up, then each width
     assert len(calls) == 1 + 10 + 2 * 8  # widths up to 8 measured thrice; the fastest counts
-    assert {t for _, t in calls} == {(2, 3)} and costs.transposed == [2, 3]  # timed with the linear forms chosen first
+    assert costs.forms == {2: "transposed"}
     assert costs.predict(1, 11) == 26.0 and costs.predict(1, 8) == 18.0  # narrow widths: the fastest of three
     calls.clear()
-    assert budget.costs("m", 1, 11, measure, None, forms) is costs and calls == []  # known: nothing measured
-    again = DraftBudget(cache_dir=tmp_path).costs("m", 1, 11, measure, None, forms)  # a new process reads the cache
-    assert calls == [] and again.ms == costs.ms and again.transposed == [2, 3] and len(planned) == 1
-    DraftBudget(cache_dir=tmp_path).costs("m", 1, 11, measure, calibrate=True, forms=forms)
+    assert budget.forms("m", None, forms) == {2: "transposed"} and len(planned) == 1
+    assert budget.costs("m", 1, 11, measure, None) is costs and calls == []  # known: nothing measured
+    fresh = DraftBudget(cache_dir=tmp_path)  # a new process reads the cache
+    assert fresh.forms("m", None, forms) == {2: "transposed"} and len(planned) == 1
+    again = fresh.costs("m", 1, 11, measure, None)
+    assert calls == [] and again.ms == costs.ms and again.forms == {2: "transposed"}
+    forced = DraftBudget(cache_dir=tmp_path)
+    forced.forms("m", True, forms)
+    forced.costs("m", 1, 11, measure, calibrate=True)
     assert len(calls) == 1 + 10 + 2 * 8 and len(planned) == 2  # forced: forms and every width again
     calls.clear()
-    assert DraftBudget(cache_dir=tmp_path).costs("other", 1, 11, measure, calibrate=False) is None
-    assert calls == []  # skipped: nothing measured, and without stored costs no budget
+    skipped = DraftBudget(cache_dir=tmp_path)
+    assert skipped.forms("other", False, forms) == {} and skipped.costs("other", 1, 11, measure, False) is None
+    assert calls == [] and len(planned) == 2  # skipped: nothing measured, and without stored costs no budget
 
 
 def test_costs_stored_before_linear_forms_were_chosen_are_measured_again(tmp_path):
     save_costs("m", CostModel({1: {1: 50.0, 4: 90.0, 8: 95.0}}), tmp_path)
-    assert load_costs("m", tmp_path).transposed is None
-    calls = []
-    costs = DraftBudget(cache_dir=tmp_path).costs("m", 1, 8, lambda w, t: calls.append(w) or 20.0 + w, None,
-                                                 forms=lambda: [2])
-    assert costs.transposed == [2] and costs.predict(1, 8) == 28.0 and 8 in calls
-    assert load_costs("m", tmp_path).transposed == [2]
+    assert load_costs("m", tmp_path).forms is None
+    budget, calls = DraftBudget(cache_dir=tmp_path), []
+    assert budget.forms("m", None, lambda: {4: "float32"}) == {4: "float32"}
+    costs = budget.costs("m", 1, 8, lambda w: calls.append(w) or 20.0 + w, None)
+    assert costs.predict(1, 8) == 28.0 and 8 in calls
+    assert load_costs("m", tmp_path).forms == {4: "float32"}
 
 
 def test_forms_that_change_on_recalibration_drop_curves_timed_under_the_old_ones(tmp_path):
     budget = DraftBudget(cache_dir=tmp_path)
-    measure = lambda width, transposed: 10.0 + width  # noqa: E731
-    budget.costs("m", 2, 4, measure, None, forms=lambda: [4])
-    assert set(budget.costs("m", 1, 4, measure, None, forms=lambda: [2]).ms) == {1, 2}  # forms kept: [4]
-    costs = budget.costs("m", 1, 4, measure, True, forms=lambda: [3])
-    assert costs.transposed == [3] and set(costs.ms) == {1}
+    measure = lambda width: 10.0 + width  # noqa: E731
+    budget.forms("m", None, lambda: {4: "transposed"})
+    budget.costs("m", 2, 4, measure, None)
+    assert budget.forms("m", None, lambda: {2: "transposed"}) == {4: "transposed"}  # stored forms kept
+    assert set(budget.costs("m", 1, 4, measure, None).ms) == {1, 2}
+    assert budget.forms("m", True, lambda: {4: "transposed"}) == {4: "transposed"}  # the same again: curves kept
+    assert set(budget.costs("m", 1, 4, measure, None).ms) == {1, 2}
+    budget.forms("m", True, lambda: {8: "float32"})
+    assert set(budget.costs("m", 1, 4, measure, None).ms) == {1}
 
 
 def test_acceptance_learns_per_bucket():

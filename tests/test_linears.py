@@ -1,4 +1,4 @@
-"""Linear layers in the form measured faster for a verify step's few rows: same numbers, exact output."""
+"""Linear layers in the form measured faster for each row count: same numbers, exact output."""
 
 from __future__ import annotations
 
@@ -7,11 +7,21 @@ import torch
 import torch.nn.functional as F
 
 from clover_hf import CloverForCausalLM, CostModel
-from clover_hf.linears import MAX_ROWS, PAD_ROWS, faster_transposed, transposed_linear, transposed_linears
+from clover_hf.linears import (
+    FORMS,
+    MAX_ROWS,
+    PAD_ROWS,
+    VERIFY_ROWS,
+    faster_forms,
+    form_for,
+    form_linear,
+    linear_forms,
+    transposed_linear,
+)
 
 from .tiny import ARCHS, prompt, same, tiny_model
 
-EVERY = list(range(2, MAX_ROWS + 1))
+EVERY = {1 << k: "transposed" for k in range(1, MAX_ROWS.bit_length())}  # 2, 4, ... MAX_ROWS
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 11, 16, 31])
@@ -22,7 +32,26 @@ def test_transposed_linear_computes_f_linear(rows):
     assert out.shape == (1, rows, 48) and torch.allclose(out, F.linear(x, weight, bias), atol=1e-5)
 
 
-def test_transposed_linears_apply_to_listed_row_counts_and_are_undone():
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_form_computes_f_linear_in_the_input_dtype(form, dtype):
+    torch.manual_seed(0)
+    weight, bias, x = (t.to(dtype) for t in (torch.randn(48, 16), torch.randn(48), torch.randn(2, 7, 16)))
+    out = form_linear(x, weight, bias, form)
+    exact = F.linear(x.float(), weight.float(), bias.float())
+    assert out.dtype == dtype and out.shape == (2, 7, 48)
+    assert torch.allclose(out.float(), exact, atol=1e-5 if dtype == torch.float32 else 0.1, rtol=1e-2)
+
+
+def test_a_row_count_takes_the_form_of_the_power_of_two_below_it():
+    forms = {2: "transposed", 8: "float32", MAX_ROWS: "float32_transposed"}
+    assert [form_for(forms, n) for n in (1, 2, 3, 4, 7, 8, 15, 16)] == (
+        ["linear", "transposed", "transposed", "linear", "linear", "float32", "float32", "linear"])
+    assert form_for(forms, MAX_ROWS) == form_for(forms, 10 * MAX_ROWS) == "float32_transposed"  # a prefill
+    assert form_for({}, 8) == "linear"
+
+
+def test_linear_forms_apply_to_listed_row_counts_and_are_undone():
     model = tiny_model("llama")
     own = model.lm_head.forward = lambda x: F.linear(x, model.lm_head.weight)  # as accelerate's hooks set one
     ids = prompt(3)
@@ -36,7 +65,7 @@ def test_transposed_linears_apply_to_listed_row_counts_and_are_undone():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch, "mm", spy)
-        with transposed_linears([model], [ids.shape[1]]):
+        with linear_forms([model], {1 << (ids.shape[1].bit_length() - 1): "transposed"}):
             inside = model(ids).logits
             one = model(ids[:, :1]).logits  # a row count not listed: F.linear
     assert torch.allclose(inside, ref, atol=1e-5) and torch.allclose(one, ref[:, :1], atol=1e-5)
@@ -48,7 +77,7 @@ def test_transposed_linears_apply_to_listed_row_counts_and_are_undone():
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_greedy_stays_exact_with_transposed_linears(arch, monkeypatch):
+def test_greedy_stays_exact_with_transposed_linears_in_every_verify(arch, monkeypatch):
     import clover_hf.linears as linears
 
     used = []
@@ -58,22 +87,33 @@ def test_greedy_stays_exact_with_transposed_linears(arch, monkeypatch):
     ref = base.generate(ids, max_new_tokens=30, do_sample=False)
     clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
     costs = CostModel.from_function(lambda rows, width: 10.0, draft_ms=0.0)  # the whole tree every step
-    costs.transposed = EVERY
+    costs.forms = EVERY
     assert same(clover.generate(ids, max_new_tokens=30, do_sample=False, budget=costs), ref)
     assert clover.generation_stats.verified_per_step > 2 and len(used) > 0  # verified in the transposed form
 
 
-def test_forms_are_measured_on_the_cpu_within_their_bounds():
-    model = tiny_model("llama")
-    rows = faster_transposed([model], reps=1)
-    assert set(rows) <= set(EVERY)
-    assert faster_transposed([torch.nn.Sequential()]) == []  # no linear layers: nothing to measure
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forms_are_measured_on_the_cpu_within_their_bounds(dtype, monkeypatch):
+    import clover_hf.linears as linears
+
+    timed = []
+    monkeypatch.setattr(linears, "form_linear", lambda x, w, b, form: timed.append((x.shape[0], w.shape, form))
+                        or form_linear(x, w, b, form))
+    model = tiny_model("llama").to(dtype)
+    forms = faster_forms([model], reps=1)
+    assert set(forms) <= set(EVERY) and set(forms.values()) <= set(FORMS) - {"linear"}
+    tried = {form for _, _, form in timed}
+    assert tried == ({"linear", "transposed"} if dtype == torch.float32 else set(FORMS))  # float32 forms: half weights
+    vocab = model.lm_head.weight.shape
+    assert {n for n, shape, _ in timed if shape == vocab} == {n for n in EVERY if n <= VERIFY_ROWS}
+    assert max(n for n, _, _ in timed) == MAX_ROWS
+    assert faster_forms([torch.nn.Sequential()]) == {}  # no linear layers: nothing to measure
 
 
-def test_transposed_linears_are_undone_on_error_and_take_a_layer_listed_twice_once():
+def test_linear_forms_are_undone_on_error_and_take_a_layer_listed_twice_once():
     model = tiny_model("llama")
     with pytest.raises(RuntimeError, match="stop"):
-        with transposed_linears([model, model], [2]):
+        with linear_forms([model, model], {2: "transposed"}):
             assert "forward" in model.lm_head.__dict__
             raise RuntimeError("stop")
     assert all("forward" not in m.__dict__ for m in model.modules())
