@@ -235,7 +235,8 @@ def slowest_prompts(results: dict[str, MethodResult]) -> str:
             for k in r.rechecked:
                 ratios[k] = median(r.rechecked[k]) / median(base.rechecked[k])
             times = len(next(iter(r.rechecked.values())))
-            lines.append(f"{r.name}, the {len(r.rechecked)} prompts below 0.9x of any method timed {times} times each "
+            count = "the 1 prompt" if len(r.rechecked) == 1 else f"the {len(r.rechecked)} prompts"
+            lines.append(f"{r.name}, {count} below 0.9x of any method timed {times} times each "
                          f"(median): {_ratio_summary(r, base, ratios)}")
     if base.rechecked:
         spread = max(max(v) / min(v) for v in base.rechecked.values())

@@ -132,7 +132,7 @@ def test_slowest_prompts_reports_the_first_timing_and_the_median_of_rechecks():
     clover = MethodResult("clover", prompt_rates=[12.0, 7.0, 9.5], rechecked={1: [7.0, 10.0, 10.5]})
     lines = slowest_prompts({"plain generate": plain, "clover": clover}).splitlines()
     assert lines[0] == "clover: slowest prompt 0.70x plain (prompt 2), 1 of 3 prompts below 0.9x"
-    assert lines[1] == ("clover, the 1 prompts below 0.9x of any method timed 3 times each (median): "
+    assert lines[1] == ("clover, the 1 prompt below 0.9x of any method timed 3 times each (median): "
                         "slowest prompt 0.95x plain (prompt 3), 0 of 3 prompts below 0.9x")
     assert lines[2] == "plain generate on those prompts: its own fastest and slowest timing differ by up to 1.22x"
 
