@@ -280,6 +280,7 @@ def _shallower(spec, trees: list[TreeBuffers] | None, depth: int, lookup_max: in
 
 
 @functools.lru_cache(maxsize=256)
+@torch.inference_mode(False)  # cached: its tensors outlive the decoding call that built them
 def _chain_shape(n: int, device: torch.device) -> tuple[StepTree, torch.Tensor]:
     """A chain of `n` nodes, root first (built once per length: most steps verify one), and which
     nodes are drafted."""

@@ -262,9 +262,10 @@ class DraftHeads(nn.Module):
         sources = [weight, bias, self.draft_token_ids]
         memo = self._lm_head_rows
         if memo is None or memo[1] != int8 or not _unchanged(memo[0], sources):
-            ids = self.draft_token_ids.to(weight.device)
-            rows, bias = weight.detach()[ids], None if bias is None else bias.detach()[ids]
-            rows = DraftLMHead.quantized(rows, bias) if int8 else DraftLMHead(rows, bias)
+            with torch.inference_mode(False):  # kept past the call that builds them (decoding runs in inference mode)
+                ids = self.draft_token_ids.to(weight.device)
+                rows, bias = weight.detach()[ids], None if bias is None else bias.detach()[ids]
+                rows = DraftLMHead.quantized(rows, bias) if int8 else DraftLMHead(rows, bias)
             self._lm_head_rows = ([_watch(t) for t in sources], int8, rows)
         return self._lm_head_rows[2]
 

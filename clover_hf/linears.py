@@ -105,21 +105,21 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3) -> dict[int, str]:
         for m in _linears(model):
             rows = m.weight.shape[0]
             # a vocabulary-sized weight is timed on a slice of its rows: the time scales with them
-            shapes[tuple(m.weight.shape)] += rows / min(rows, SLICE_ROWS)
-            weights[tuple(m.weight.shape)] = (m.weight[:SLICE_ROWS], id(m) in vocab)
-    if not weights or next(iter(weights.values()))[0].device.type != "cpu":
+            shapes[tuple(m.weight.shape), id(m) in vocab] += rows / min(rows, SLICE_ROWS)
+            weights[tuple(m.weight.shape), id(m) in vocab] = m.weight[:SLICE_ROWS]
+    if not weights or next(iter(weights.values())).device.type != "cpu":
         return {}
-    dtype = next(iter(weights.values()))[0].dtype
-    candidates = (TRANSPOSED,) if dtype == torch.float32 else (TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED)
+    half = next(iter(weights.values())).dtype in (torch.float16, torch.bfloat16)
+    candidates = (TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED) if half else (TRANSPOSED,)
     chosen, n = {}, 2
     while n <= MAX_ROWS:
         ms = dict.fromkeys((LINEAR, *candidates), 0.0)
-        for shape, (weight, output) in weights.items():
+        for (shape, output), weight in weights.items():
             if output and n > VERIFY_ROWS:  # a prefill keeps the logits of its last row only
                 continue
             x = torch.randn(n, weight.shape[1]).to(weight.dtype)
             for form in ms:
-                ms[form] += shapes[shape] * _best_ms(lambda: form_linear(x, weight, None, form), 1 if output else reps)
+                ms[form] += shapes[shape, output] * _best_ms(lambda: form_linear(x, weight, None, form), 1 if output else reps)
         best = min(candidates, key=ms.get)
         if ms[best] < MIN_GAIN * ms[LINEAR]:
             chosen[n] = best

@@ -69,6 +69,7 @@ def build_tree(paths: list[list[int]], device: torch.device | str = "cpu", looku
 
 
 @lru_cache(maxsize=128)
+@torch.inference_mode(False)  # cached: its tensors outlive the (inference-mode) decoding call that built them
 def _build_tree(drafted: tuple[tuple[int, ...], ...], device: str, lookup: int) -> TreeBuffers:
     chain = [(LOOKUP_RANK,) * d for d in range(1, lookup + 1)]
     paths = tuple(sorted(drafted + tuple(chain), key=lambda p: (len(p), p)))

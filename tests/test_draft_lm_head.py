@@ -61,6 +61,20 @@ def test_generation_under_inference_mode():
                     base.generate(ids, max_new_tokens=20, do_sample=False))
 
 
+def test_what_decoding_caches_stays_usable_outside_inference_mode():
+    """Decoding runs in inference mode; rows and trees it caches must not be inference tensors."""
+    from clover_hf.tree import build_tree
+
+    base = tiny_model("llama")
+    clover = CloverForCausalLM.from_base(base, draft_vocab_size=40)
+    clover.generate(prompt(6), max_new_tokens=8, do_sample=False)
+    rows = clover.clover_heads.draft_lm_head(base.get_output_embeddings())
+    hidden = torch.randn(2, base.config.hidden_size, requires_grad=True)
+    rows(hidden).sum().backward()  # as training's draft logits do
+    assert not rows.weight.is_inference() and hidden.grad is not None
+    assert not build_tree(clover.clover_config.tree).depths.is_inference()
+
+
 def test_draft_rows_are_built_once_and_rebuilt_when_the_weight_changes():
     base = tiny_model("llama")
     heads = CloverForCausalLM.from_base(base, draft_vocab_size=40).clover_heads

@@ -92,7 +92,7 @@ def test_greedy_stays_exact_with_transposed_linears_in_every_verify(arch, monkey
     assert clover.generation_stats.verified_per_step > 2 and len(used) > 0  # verified in the transposed form
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_forms_are_measured_on_the_cpu_within_their_bounds(dtype, monkeypatch):
     import clover_hf.linears as linears
 
@@ -103,7 +103,7 @@ def test_forms_are_measured_on_the_cpu_within_their_bounds(dtype, monkeypatch):
     forms = faster_forms([model], reps=1)
     assert set(forms) <= set(EVERY) and set(forms.values()) <= set(FORMS) - {"linear"}
     tried = {form for _, _, form in timed}
-    assert tried == ({"linear", "transposed"} if dtype == torch.float32 else set(FORMS))  # float32 forms: half weights
+    assert tried == (set(FORMS) if dtype == torch.bfloat16 else {"linear", "transposed"})  # float32 forms: half weights
     vocab = model.lm_head.weight.shape
     assert {n for n, shape, _ in timed if shape == vocab} == {n for n in EVERY if n <= VERIFY_ROWS}
     assert max(n for n, _, _ in timed) == MAX_ROWS
