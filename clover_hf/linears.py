@@ -94,19 +94,19 @@ def _best_ms(fn, reps: int) -> float:
 @torch.no_grad()
 def faster_forms(models: Iterable[nn.Module], reps: int = 3) -> dict[int, str]:
     """The form faster than F.linear, by at least MIN_GAIN, over the models' linear layers at 2, 4, 8,
-    ... MAX_ROWS rows (each weight shape weighted by how often it occurs; the output embedding only up to
-    VERIFY_ROWS); counts where F.linear is fastest are left out. W @ x.T is tried always; the float32 forms for half-precision weights.
-    CPU only: elsewhere, none."""
+    ... MAX_ROWS rows (each weight shape weighted by how often it occurs; the output embedding only up
+    to VERIFY_ROWS); counts where F.linear is fastest are left out. W @ x.T is tried always, the
+    float32 forms for half-precision weights. CPU only: elsewhere, none."""
     models = list(models)
     vocab = {id(m.get_output_embeddings()) for m in models if hasattr(m, "get_output_embeddings")}
     shapes = Counter()
     weights = {}
     for model in models:
         for m in _linears(model):
-            rows = m.weight.shape[0]
+            key, rows = (tuple(m.weight.shape), id(m) in vocab), m.weight.shape[0]
             # a vocabulary-sized weight is timed on a slice of its rows: the time scales with them
-            shapes[tuple(m.weight.shape), id(m) in vocab] += rows / min(rows, SLICE_ROWS)
-            weights[tuple(m.weight.shape), id(m) in vocab] = m.weight[:SLICE_ROWS]
+            shapes[key] += rows / min(rows, SLICE_ROWS)
+            weights[key] = m.weight[:SLICE_ROWS]
     if not weights or next(iter(weights.values())).device.type != "cpu":
         return {}
     half = next(iter(weights.values())).dtype in (torch.float16, torch.bfloat16)
@@ -119,7 +119,8 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3) -> dict[int, str]:
                 continue
             x = torch.randn(n, weight.shape[1]).to(weight.dtype)
             for form in ms:
-                ms[form] += shapes[shape, output] * _best_ms(lambda: form_linear(x, weight, None, form), 1 if output else reps)
+                timing = _best_ms(lambda: form_linear(x, weight, None, form), 1 if output else reps)
+                ms[form] += shapes[shape, output] * timing
         best = min(candidates, key=ms.get)
         if ms[best] < MIN_GAIN * ms[LINEAR]:
             chosen[n] = best
