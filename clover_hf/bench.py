@@ -34,6 +34,9 @@ class MethodResult:
     prompt_rates: list[float] = field(default_factory=list)  # tokens/s on each prompt (or batch)
     prompt_tokens: list[int] = field(default_factory=list)  # new tokens on each prompt (or batch)
     rechecked: dict[int, list[float]] = field(default_factory=dict)  # prompt -> its tokens/s, every time measured
+    # prompt -> plain `generate`'s tokens/s (every time measured) made to produce as many tokens as this method
+    # did there, where that differs from plain's own output length (batch size 1)
+    same_length: dict[int, list[float]] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
@@ -48,6 +51,18 @@ class MethodResult:
         """Tokens verified per verify step and row: the budget the method chose (1 = plain decoding)."""
         n = len(self.accepted_lengths)
         return self.verified_tokens / n if n else float("nan")
+
+    def ratio(self, plain: "MethodResult", k: int, first: bool = False) -> float:
+        """Speed on prompt k relative to plain `generate`, median against median of their timings
+        (`first`: the first timing of each). Where the output lengths differ, the reference is plain
+        made to produce as many tokens: a shorter output shares the prefill among fewer tokens."""
+        pick = (lambda timings: timings[0]) if first else statistics.median
+        own = pick(self.rechecked[k]) if k in self.rechecked else self.prompt_rates[k]
+        if k in self.same_length:
+            reference = pick(self.same_length[k])
+        else:
+            reference = pick(plain.rechecked[k]) if k in plain.rechecked else plain.prompt_rates[k]
+        return own / reference
 
     def acceptance_by_depth(self, max_depth: int) -> list[float]:
         """Share of verify steps (of rows, in a batch) that accepted at least d drafted tokens, d = 1..max_depth."""
@@ -132,6 +147,7 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
     if prompt_lookup and batch_size == 1:
         methods["prompt lookup (10)"] = lambda inputs: base.generate(**inputs, prompt_lookup_num_tokens=10, **kwargs)
     results = {name: MethodResult(name) for name in methods}
+    plain = results["plain generate"]
     eos = base.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     batches = encode_batches(tokenizer, prompts, batch_size, base.device)
@@ -141,6 +157,12 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
         torch.manual_seed(k)
         out, seconds = timed(lambda: fn(batches[k]), base.device)
         return out, sum(_generated_lengths(out, batches[k]["input_ids"].shape[1], eos)), seconds
+
+    def plain_rate(k: int, n: int) -> float:
+        """Tokens/s of plain `generate` on batch k made to produce exactly n new tokens."""
+        _, tokens, seconds = run(lambda inputs: base.generate(
+            **inputs, **{**kwargs, "max_new_tokens": n, "min_new_tokens": n}), k)
+        return tokens / seconds
 
     for inputs in batches[:warmup]:
         for fn in methods.values():
@@ -171,18 +193,23 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
                 reference = out
             if out.shape == reference.shape:
                 r.identical += int((out == reference).all(dim=1).sum())
+        if batch_size == 1:
+            for r in results.values():
+                if r.prompt_tokens[k] != plain.prompt_tokens[k]:
+                    r.same_length[k] = [plain_rate(k, r.prompt_tokens[k])]
         log(f"[{k + 1}/{len(batches)}] " + "  ".join(
             f"{n}: {r.tokens_per_second:.1f} tok/s" for n, r in results.items()))
-    plain = results["plain generate"].prompt_rates
-    slow = sorted({k for r in results.values() for k, (a, b) in enumerate(zip(r.prompt_rates, plain))
-                   if a / b < recheck_below}) if recheck else []
+    slow = sorted({k for r in results.values() for k in range(len(batches))
+                   if r.ratio(plain, k) < recheck_below}) if recheck else []
     for k in slow:
-        for name in methods:
-            results[name].rechecked[k] = [results[name].prompt_rates[k]]
+        for r in results.values():
+            r.rechecked[k] = [r.prompt_rates[k]]
         for _ in range(recheck):
             for name, fn in methods.items():
                 _, tokens, seconds = run(fn, k)
                 results[name].rechecked[k].append(tokens / seconds)
+                if k in results[name].same_length:
+                    results[name].same_length[k].append(plain_rate(k, tokens))
         log(f"[recheck {k + 1}] " + "  ".join(f"{n}: {statistics.median(r.rechecked[k]):.1f} tok/s" for n, r in results.items()))
     return results
 
@@ -221,19 +248,17 @@ def slowest_prompts(results: dict[str, MethodResult]) -> str:
     many prompts it was below 0.9x.
 
     Where a method's output has another length than plain's (bf16 rounding, sampling), the prefill is
-    shared by other numbers of tokens, so its tokens/s on that prompt compare unlike things: such
-    prompts are counted apart."""
+    shared by other numbers of tokens: the ratio is then against plain made to produce as many tokens
+    where the run timed that (batch size 1), and such prompts are named."""
     base = results["plain generate"]
     lines = []
     for r in results.values():
         if r.name == "plain generate" or not r.prompt_rates:
             continue
-        ratios = [a / b for a, b in zip(r.prompt_rates, base.prompt_rates)]
+        ratios = [r.ratio(base, k, first=True) for k in range(len(r.prompt_rates))]
         lines.append(f"{r.name}: {_ratio_summary(r, base, ratios)}")
         if r.rechecked:
-            median = statistics.median
-            for k in r.rechecked:
-                ratios[k] = median(r.rechecked[k]) / median(base.rechecked[k])
+            ratios = [r.ratio(base, k) for k in range(len(r.prompt_rates))]
             times = len(next(iter(r.rechecked.values())))
             count = "the 1 prompt" if len(r.rechecked) == 1 else f"the {len(r.rechecked)} prompts"
             lines.append(f"{r.name}, {count} below 0.9x of any method timed {times} times each "
@@ -254,6 +279,8 @@ def _ratio_summary(r: MethodResult, base: MethodResult, ratios: list[float]) -> 
     where = f"prompt {k + 1}"
     if other_length(k):
         where += f": {r.prompt_tokens[k]} new tokens against plain's {base.prompt_tokens[k]}"
+        if k in r.same_length:
+            where += f", compared with plain made to produce {r.prompt_tokens[k]}"
     slow = [j for j, x in enumerate(ratios) if x < 0.9]
     text = f"slowest prompt {min(ratios):.2f}x plain ({where}), {len(slow)} of {len(ratios)} prompts below 0.9x"
     other = sum(other_length(j) for j in slow)

@@ -144,3 +144,47 @@ def test_slowest_prompts_name_outputs_of_another_length():
     line = slowest_prompts({"plain generate": plain, "clover": clover})
     assert line == ("clover: slowest prompt 0.50x plain (prompt 1: 20 new tokens against plain's 128), "
                     "2 of 3 prompts below 0.9x (1 of them with an output of another length than plain's)")
+
+
+def test_outputs_of_another_length_are_compared_with_plain_made_to_produce_as_many_tokens():
+    """A method that stops early is timed against plain `generate` producing exactly that many tokens."""
+    base = tiny_model("llama")
+    tok = byte_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    clover = CloverForCausalLM.from_base(base)
+    plain_lengths = []
+    generate = base.generate
+
+    def recording_generate(*args, **kwargs):
+        if "min_new_tokens" in kwargs:
+            plain_lengths.append((kwargs["min_new_tokens"], kwargs["max_new_tokens"]))
+        return generate(*args, **kwargs)
+
+    base.generate = recording_generate
+
+    class StopsEarly:  # a drafting method whose output is shorter than plain's
+        generation_stats = None
+
+        def generate(self, max_new_tokens, clover_profile, **kwargs):
+            return clover.generate(max_new_tokens=4, **kwargs)
+
+    results = run_benchmark(clover, tok, ["hello", "a longer prompt here"], max_new_tokens=8, warmup=0,
+                            prompt_lookup=False, baselines={"short": StopsEarly()}, recheck=2,
+                            recheck_below=100.0, log=lambda *_: None)
+    short, plain = results["short"], results["plain generate"]
+    assert short.prompt_tokens == [4, 4] and plain.prompt_tokens == [8, 8]
+    assert sorted(short.same_length) == [0, 1] and not results["clover"].same_length
+    assert all(len(v) == 3 for v in short.same_length.values())  # the first timing and 2 rechecks
+    assert plain_lengths == [(4, 4)] * 6
+    k = 1
+    assert short.ratio(plain, k) == pytest.approx(
+        sorted(short.rechecked[k])[1] / sorted(short.same_length[k])[1])
+    assert "compared with plain made to produce 4" in slowest_prompts(results)
+
+
+def test_ratio_uses_the_same_length_reference_where_there_is_one():
+    plain = MethodResult("plain generate", prompt_rates=[10.0, 10.0], prompt_tokens=[128, 128])
+    clover = MethodResult("clover", prompt_rates=[5.0, 12.0], prompt_tokens=[20, 128], same_length={0: [4.0]})
+    assert clover.ratio(plain, 0) == 1.25 and clover.ratio(plain, 1) == 1.2
+    assert slowest_prompts({"plain generate": plain, "clover": clover}) == (
+        "clover: slowest prompt 1.20x plain (prompt 2), 0 of 2 prompts below 0.9x")
