@@ -170,6 +170,8 @@ def accept_sampled(
     Returns the accepted node indices (root first) and the sampled token after the last of them.
     """
     n = tokens.shape[0]
+    if n == 1:  # a plain decoding step: what the walk below reduces to, a draw from the root's distribution
+        return tokens.new_zeros(1), sample_token(probs[0], uniforms[0])
     index = torch.arange(n, device=tokens.device)
     first = _first_with_same_path(tokens, tree)
     parents = first[tree.parents]  # a repeat's children hang below the first node with its path

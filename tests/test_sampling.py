@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from clover_hf import CloverForCausalLM, CostModel
-from clover_hf.tree import build_tree
+from clover_hf.tree import StepTree, build_tree
 from clover_hf.verification import accept_sampled, process_tree_logits, sample_token
 
 from .test_decoding import DRAFTING
@@ -96,6 +96,22 @@ def test_accept_sampled_with_one_hot_targets_is_greedy():
     for _ in range(20):
         nodes, bonus = accept_sampled(tokens, probs, tree, torch.rand(5))
         assert nodes.tolist() == [0, 2, 4] and int(bonus) == 0
+
+
+def test_accept_sampled_on_the_root_alone_draws_the_root_distribution():
+    """A one-node step (a plain decoding step) draws the next token by inverting the root's CDF at
+    the root's uniform, as the walk does when every child is rejected."""
+    tree = build_tree([[0]])
+    root_only = StepTree.from_parents(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), 0)
+    probs = torch.tensor([[0.1, 0.0, 0.3, 0.6], [0.25, 0.25, 0.25, 0.25]])
+    for u in (0.0, 0.05, 0.1, 0.39, 0.41, 0.99):
+        nodes, bonus = accept_sampled(torch.tensor([2]), probs[:1], root_only, torch.tensor([u]))
+        assert nodes.tolist() == [0] and int(bonus) == int(sample_token(probs[0], torch.tensor(u)))
+        # the same draw as a two-node tree whose only child (token 1, no mass at the root) is rejected
+        _, walked = accept_sampled(torch.tensor([2, 1]), probs, tree, torch.tensor([u, 0.5]))
+        assert int(walked) == int(bonus)
+    assert [int(accept_sampled(torch.tensor([2]), probs[:1], root_only, torch.tensor([u]))[1])
+            for u in (0.05, 0.3, 0.9)] == [0, 2, 3]
 
 
 def exact_three_token_distribution(base, ids, temperature: float, top_k: int) -> dict[tuple[int, ...], float]:
