@@ -25,6 +25,7 @@ LINEAR, TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED = "linear", "transposed", "float
 FORMS = (LINEAR, TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED)
 MAX_ROWS = 256  # forms are timed at 2, 4, ... this many rows; longer inputs take the form chosen here
 MIN_GAIN = 0.9  # another form must take at most this share of F.linear's time
+SETTLED = 0.5  # a float32 form taking at most this share of F.linear's time is kept for every larger row count
 PAD_ROWS = 8
 VERIFY_ROWS = 64  # past this many rows (a prefill), the output embedding is not timed
 SLICE_ROWS = 16384  # larger weights are timed on this many of their rows
@@ -96,7 +97,8 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3) -> dict[int, str]:
     """The form faster than F.linear, by at least MIN_GAIN, over the models' linear layers at 2, 4, 8,
     ... MAX_ROWS rows (each weight shape weighted by how often it occurs; the output embedding only up
     to VERIFY_ROWS); counts where F.linear is fastest are left out. W @ x.T is tried always, the
-    float32 forms for half-precision weights. CPU only: elsewhere, none."""
+    float32 forms for half-precision weights; once one of those takes at most SETTLED of F.linear's
+    time, larger counts keep it untimed. CPU only: elsewhere, none."""
     models = list(models)
     vocab = {id(m.get_output_embeddings()) for m in models if hasattr(m, "get_output_embeddings")}
     shapes = Counter()
@@ -124,6 +126,13 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3) -> dict[int, str]:
         best = min(candidates, key=ms.get)
         if ms[best] < MIN_GAIN * ms[LINEAR]:
             chosen[n] = best
+        if best in (FLOAT32, FLOAT32_TRANSPOSED) and ms[best] <= SETTLED * ms[LINEAR]:
+            # converting the weight is a fixed cost that more rows share further: no need to time them
+            # (in bf16 on an AVX2 CPU, the larger row counts took half the timing)
+            while n < MAX_ROWS:
+                n *= 2
+                chosen[n] = best
+            break
         n *= 2
     return chosen
 

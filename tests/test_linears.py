@@ -105,9 +105,36 @@ def test_forms_are_measured_on_the_cpu_within_their_bounds(dtype, monkeypatch):
     tried = {form for _, _, form in timed}
     assert tried == (set(FORMS) if dtype == torch.bfloat16 else {"linear", "transposed"})  # float32 forms: half weights
     vocab = model.lm_head.weight.shape
-    assert {n for n, shape, _ in timed if shape == vocab} == {n for n in EVERY if n <= VERIFY_ROWS}
-    assert max(n for n, _, _ in timed) == MAX_ROWS
+    last = max(n for n, _, _ in timed)
+    assert {n for n, shape, _ in timed if shape == vocab} == {n for n in EVERY if n <= min(VERIFY_ROWS, last)}
+    if last < MAX_ROWS:  # a float32 form settled it: every larger count keeps that form
+        assert dtype == torch.bfloat16 and forms[last] in ("float32", "float32_transposed")
+        assert all(forms[n] == forms[last] for n in EVERY if n > last)
     assert faster_forms([torch.nn.Sequential()]) == {}  # no linear layers: nothing to measure
+
+
+def test_a_float32_form_twice_as_fast_is_kept_for_larger_row_counts_untimed(monkeypatch):
+    """Converting a half weight to float32 is a fixed cost per product: once that form takes at most
+    half of F.linear's time, more rows only favour it more, so they are not timed."""
+    import clover_hf.linears as linears
+
+    timed, current = [], {}
+    cost = {"linear": 1.0, "transposed": 1.0, "float32": 0.8, "float32_transposed": 0.9}
+
+    def record(x, w, b, form):
+        current["key"] = (x.shape[0], form)
+        timed.append(current["key"])
+
+    def fake_ms(fn, reps):  # float32 costs 0.8x F.linear at 2-4 rows, 0.4x from 8 rows up
+        fn()
+        rows, form = current["key"]
+        return cost[form] * rows * (0.5 if form == "float32" and rows >= 8 else 1.0)
+
+    monkeypatch.setattr(linears, "form_linear", record)
+    monkeypatch.setattr(linears, "_best_ms", fake_ms)
+    forms = faster_forms([tiny_model("llama").to(torch.bfloat16)])
+    assert forms == {n: "float32" for n in EVERY}  # 0.8x F.linear at 2-4 rows: chosen, timed on; 0.4x at 8: settled
+    assert max(rows for rows, _ in timed) == 8
 
 
 def test_linear_forms_are_undone_on_error_and_take_a_layer_listed_twice_once():
