@@ -130,7 +130,10 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
 
     One timing of a prompt on a shared machine is noisy (+-10% here), so a prompt on which a method ran
     below `recheck_below` times plain `generate` is timed `recheck` more times, all methods interleaved;
-    `slowest_prompts` then reports the median of its timings next to the first one.
+    `slowest_prompts` then reports the median of its timings next to the first one. Where a method's
+    output has another length than plain's (batch size 1), plain is also timed producing that many
+    tokens, with each of that method's timings, and the prompt's ratio is taken against it (one more
+    plain run per such timing: under sampling, most prompts).
     """
     base = model.base_model
     profile = base.device.type == "cpu" if profile is None else profile

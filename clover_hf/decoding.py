@@ -493,10 +493,17 @@ def clover_generate(
     attention_mask = None if attention_mask is None else attention_mask.to(device)
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     positions = torch.where(valid, valid.long().cumsum(1) - 1, -1)  # (B, P); -1 marks a masked slot
-    eye = torch.eye(prompt_len, dtype=torch.bool, device=device)
-    causal = (eye.new_ones(prompt_len, prompt_len).tril() & valid[:, None, :]) | eye
+    # One unpadded row without a window goes through the base's own mask path, as in plain decoding: its
+    # prefill builds no (P, P) mask (a long prompt's would take gigabytes), and in bf16 an explicit additive
+    # mask rounds differently from the base's own at some lengths.
+    plain_mask = batch == 1 and not layout.mapping and layout.sliding_window is None and bool(valid.all())
     cache = new_cache()
-    mask = layout.build(positions[:, :0], positions, causal, dtype)
+    if plain_mask:
+        mask = torch.ones(1, prompt_len, dtype=torch.long, device=device)
+    else:
+        eye = torch.eye(prompt_len, dtype=torch.bool, device=device)
+        causal = (eye.new_ones(prompt_len, prompt_len).tril() & valid[:, None, :]) | eye
+        mask = layout.build(positions[:, :0], positions, causal, dtype)
     with linear_forms([model], forms):
         logits, hidden = _base_forward(model, input_ids, mask, positions.clamp(min=0), cache, logits_to_keep=1)
     stats.steps += 1
@@ -517,9 +524,6 @@ def clover_generate(
             row.pending.append((hidden[b, cols][None], embed(text)[None], positions[b, cols][None]))
         rows.append(row)
     active, positions = _drop_finished(rows, cache, positions)
-    # A 1-token step of one unpadded row, without a window, goes through the base's own mask path: in bf16 an
-    # explicit additive mask rounds differently from plain decoding at some lengths.
-    plain_mask = batch == 1 and not layout.mapping and layout.sliding_window is None and bool(valid.all())
 
     # The draft budget: this machine's verify costs (measured now if unknown) and calibrated acceptance.
     costs = acceptance = None
@@ -567,6 +571,8 @@ def clover_generate(
                 if with_heads and costs.draft_ms is not None:
                     draft_ms = (costs.draft_ms, 0.0)
                 elif with_heads:
+                    for draft in drafts:  # read now, not in the choice: off the CPU drafting runs until read
+                        draft.on_host()
                     drafting_s = time.perf_counter() - started - augment_s
                     draft_ms = (1000 * drafting_s, 1000 * augment_s / max(augmented, 1))
                 drafts, buckets = _choose_nodes(drafts, acceptance, costs, clover_budget.gate, draft_ms,

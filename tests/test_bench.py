@@ -188,3 +188,40 @@ def test_ratio_uses_the_same_length_reference_where_there_is_one():
     assert clover.ratio(plain, 0) == 1.25 and clover.ratio(plain, 1) == 1.2
     assert slowest_prompts({"plain generate": plain, "clover": clover}) == (
         "clover: slowest prompt 1.20x plain (prompt 2), 0 of 2 prompts below 0.9x")
+
+
+def test_a_longer_output_than_plain_s_is_compared_with_plain_kept_from_stopping():
+    """Plain stops at its end-of-sequence token; a method that runs on is compared with plain made to
+    produce as many tokens (its end-of-sequence token held back until then)."""
+    base = tiny_model("llama")
+    tok = byte_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    clover = CloverForCausalLM.from_base(base)
+    prompts = ["hello"]
+    ids = tok.apply_chat_template([{"role": "user", "content": prompts[0]}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=False)
+    eos = int(base.generate(ids, max_new_tokens=3, do_sample=False)[0, -1])  # plain's third token
+    base.generation_config.eos_token_id = eos
+    forced = []
+    generate = base.generate
+
+    def recording_generate(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        if "min_new_tokens" in kwargs:
+            forced.append((kwargs["min_new_tokens"], out.shape[1] - kwargs["input_ids"].shape[1]))
+        return out
+
+    base.generate = recording_generate
+
+    class RunsOn:  # a drafting method that does not stop at the end-of-sequence token
+        generation_stats = None
+
+        def generate(self, max_new_tokens, clover_profile, **kwargs):
+            return generate(**kwargs, max_new_tokens=max_new_tokens, suppress_tokens=[eos])
+
+    results = run_benchmark(clover, tok, prompts, max_new_tokens=8, warmup=0, prompt_lookup=False,
+                            baselines={"runs on": RunsOn()}, log=lambda *_: None)
+    plain, runs_on = results["plain generate"], results["runs on"]
+    assert plain.prompt_tokens[0] <= 3 and runs_on.prompt_tokens == [8]
+    assert forced == [(8, 8)] and list(runs_on.same_length) == [0]
+    assert runs_on.ratio(plain, 0) == runs_on.prompt_rates[0] / runs_on.same_length[0][0]

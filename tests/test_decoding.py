@@ -222,6 +222,29 @@ def test_attention_mask_with_left_padding():
     )
 
 
+@pytest.mark.parametrize("arch", ALL)
+def test_prefill_of_one_unpadded_prompt_builds_no_prompt_by_prompt_mask(arch, monkeypatch):
+    """A long prompt's (P, P) mask would take gigabytes: one unpadded row without sliding layers is
+    prefilled through the base's own causal mask, as in plain `generate`, and stays exact."""
+    import clover_hf.verification as verification
+
+    widths = []
+    build = verification.additive_mask
+    def recording(past, new, allowed, *args, **kwargs):
+        widths.append(new.shape[-1])
+        return build(past, new, allowed, *args, **kwargs)
+
+    monkeypatch.setattr(verification, "additive_mask", recording)
+    base = tiny_model(arch)
+    ids = prompt(5, length=60)
+    ref = base.generate(ids, max_new_tokens=20, do_sample=False)
+    out = oracle_model(base, ref).generate(ids, max_new_tokens=20, do_sample=False, lookup=0)
+    assert same(out, ref)
+    sliding = verification.MaskLayout.for_config(base.config).sliding_window is not None
+    assert (60 in widths) == sliding  # with sliding layers the explicit mask is kept
+    assert widths and max(widths) <= 60  # the tree steps build theirs
+
+
 @pytest.mark.parametrize("tree", [[[0]], [[0], [0, 0], [0, 0, 0]], [[0], [1], [2], [0, 0], [2, 0], [2, 0, 1]]])
 def test_tree_as_generate_argument(tree):
     base = tiny_model("qwen3")
