@@ -56,7 +56,10 @@ def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> N
 
 
 def select_rows(cache: DynamicCache, rows: torch.Tensor, columns: torch.Tensor | None = None) -> None:
-    """Keep only the given batch rows (and, when given, the given key positions) of every layer."""
+    """Keep only the given batch rows (and, when given, the given key positions, as indices or a bool
+    mask) of every layer."""
+    if columns is not None and columns.dtype == torch.bool:
+        columns = columns.nonzero().squeeze(1)  # one host sync here, not one per layer as a mask index costs
     for layer in _layers(cache):
         keep = rows.to(layer.keys.device)
         layer.keys, layer.values = layer.keys[keep], layer.values[keep]
