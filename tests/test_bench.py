@@ -10,17 +10,23 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from clover_hf import CloverForCausalLM
-from clover_hf.bench import MethodResult, markdown_table, read_prompts, run_benchmark, slowest_prompts
+from clover_hf.bench import (MethodResult, encode_batches, markdown_table, read_prompts, run_benchmark,
+                             slowest_prompts)
 from clover_hf.cli import main
 
 from .tiny import CHAT_TEMPLATE, byte_tokenizer, save_tiny_base, tiny_model
 
 
-def test_run_benchmark_interleaves_methods(tmp_path):
+def _tiny_clover():
+    """A tiny base, a byte tokenizer with a chat template, and fresh Clover heads on the base."""
     base = tiny_model("llama")
     tok = byte_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
-    clover = CloverForCausalLM.from_base(base)
+    return base, tok, CloverForCausalLM.from_base(base)
+
+
+def test_run_benchmark_interleaves_methods(tmp_path):
+    _, tok, clover = _tiny_clover()
     prompts = ["hello", "a longer prompt here"]
     results = run_benchmark(clover, tok, prompts, max_new_tokens=12, warmup=1, log=lambda *_: None)
     assert list(results) == ["plain generate", "clover", "prompt lookup (10)"]
@@ -115,10 +121,7 @@ def test_bench_batches_prompts(tmp_path):
 
 
 def test_prompts_below_the_threshold_are_timed_again():
-    base = tiny_model("llama")
-    tok = byte_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    clover = CloverForCausalLM.from_base(base)
+    _, tok, clover = _tiny_clover()
     results = run_benchmark(clover, tok, ["hello", "a longer prompt here"], max_new_tokens=6, warmup=0,
                             prompt_lookup=False, recheck=2, recheck_below=100.0, log=lambda *_: None)
     for r in results.values():  # every prompt was "slow": each method timed 1 + 2 times on each
@@ -148,10 +151,7 @@ def test_slowest_prompts_name_outputs_of_another_length():
 
 def test_outputs_of_another_length_are_compared_with_plain_made_to_produce_as_many_tokens():
     """A method that stops early is timed against plain `generate` producing exactly that many tokens."""
-    base = tiny_model("llama")
-    tok = byte_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    clover = CloverForCausalLM.from_base(base)
+    base, tok, clover = _tiny_clover()
     plain_lengths = []
     generate = base.generate
 
@@ -193,13 +193,9 @@ def test_ratio_uses_the_same_length_reference_where_there_is_one():
 def test_a_longer_output_than_plain_s_is_compared_with_plain_kept_from_stopping():
     """Plain stops at its end-of-sequence token; a method that runs on is compared with plain made to
     produce as many tokens (its end-of-sequence token held back until then)."""
-    base = tiny_model("llama")
-    tok = byte_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    clover = CloverForCausalLM.from_base(base)
+    base, tok, clover = _tiny_clover()
     prompts = ["hello"]
-    ids = tok.apply_chat_template([{"role": "user", "content": prompts[0]}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=False)
+    ids = encode_batches(tok, prompts, 1, "cpu")[0]["input_ids"]  # as the bench encodes it
     eos = int(base.generate(ids, max_new_tokens=3, do_sample=False)[0, -1])  # plain's third token
     base.generation_config.eos_token_id = eos
     forced = []
