@@ -7,6 +7,10 @@ hundred: shapes BLAS libraries serve unevenly. On an AVX2-only AMD EPYC in fp32,
 converting the weight and the rows to fp32 first took 4x and 25x: one row stays fastest in bf16 (it
 reads half the bytes), many rows are far faster computed in fp32. So each form is timed per
 machine, per number of rows, on the model's own weight shapes, and used only where it wins.
+On an AMD EPYC with AVX-512-bf16, oneDNN (which serves bf16 `F.linear` on such CPUs) took 1.3-2.5x as
+long for one row as ATen's own kernel, and plain decoding ran 1.5x faster with the latter; from 2
+rows up oneDNN was the faster one. So one row is timed too, and "native" switches oneDNN off for
+the product.
 """
 
 from __future__ import annotations
@@ -21,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LINEAR, TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED = "linear", "transposed", "float32", "float32_transposed"
-FORMS = (LINEAR, TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED)
-MAX_ROWS = 256  # forms are timed at 2, 4, ... this many rows; longer inputs take the form chosen here
+LINEAR, TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED, NATIVE = "linear", "transposed", "float32", "float32_transposed", "native"
+FORMS = (LINEAR, TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED, NATIVE)
+MAX_ROWS = 256  # forms are timed at 1, 2, 4, ... this many rows; longer inputs take the form chosen here
 MIN_GAIN = 0.9  # another form must take at most this share of F.linear's time
 SETTLED = 0.5  # a float32 form taking at most this share of F.linear's time is kept for every larger row count
 PAD_ROWS = 8
@@ -58,8 +62,21 @@ def _upcast(x, weight, bias):
     return x.float(), weight.float(), None if bias is None else bias.float()
 
 
+def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) with oneDNN switched off for the call, so ATen's own kernel computes
+    it. The switch is process-wide: a product another thread runs meanwhile also goes without oneDNN."""
+    enabled = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        return F.linear(x, weight, bias)
+    finally:
+        torch.backends.mkldnn.enabled = enabled
+
+
 def form_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: str) -> torch.Tensor:
     """F.linear(x, weight, bias) computed in `form`; the float32 forms return x's dtype."""
+    if form == NATIVE:
+        return native_linear(x, weight, bias)
     if form == TRANSPOSED:
         return transposed_linear(x, weight, bias)
     if form == FLOAT32:
@@ -71,9 +88,9 @@ def form_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def form_for(forms: LinearForms, rows: int) -> str:
     """The form for `rows` rows: that of the largest power of two at or below it (at most MAX_ROWS)."""
-    if rows < 2 or not forms:
+    if not forms:
         return LINEAR
-    return forms.get(min(1 << (rows.bit_length() - 1), MAX_ROWS), LINEAR)
+    return forms.get(min(1 << (max(rows, 1).bit_length() - 1), MAX_ROWS), LINEAR)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, forms: LinearForms) -> torch.Tensor:
@@ -94,11 +111,12 @@ def _best_ms(fn, reps: int) -> float:
 
 @torch.no_grad()
 def faster_forms(models: Iterable[nn.Module], reps: int = 3) -> dict[int, str]:
-    """The form faster than F.linear, by at least MIN_GAIN, over the models' linear layers at 2, 4, 8,
+    """The form faster than F.linear, by at least MIN_GAIN, over the models' linear layers at 1, 2, 4,
     ... MAX_ROWS rows (each weight shape weighted by how often it occurs; the output embedding only up
     to VERIFY_ROWS); counts where F.linear is fastest are left out. W @ x.T is tried always, the
-    float32 forms for half-precision weights; once one of those takes at most SETTLED of F.linear's
-    time, larger counts keep it untimed. CPU only: elsewhere, none."""
+    float32 forms and ATen's own kernel ("native", where torch has oneDNN) for half-precision weights;
+    once a float32 form takes at most SETTLED of F.linear's time, larger counts keep it untimed. CPU
+    only: elsewhere, none."""
     models = list(models)
     vocab = {id(m.get_output_embeddings()) for m in models if hasattr(m, "get_output_embeddings")}
     shapes = Counter()
@@ -113,7 +131,9 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3) -> dict[int, str]:
         return {}
     half = next(iter(weights.values())).dtype in (torch.float16, torch.bfloat16)
     candidates = (TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED) if half else (TRANSPOSED,)
-    chosen, n = {}, 2
+    if half and torch.backends.mkldnn.is_available():
+        candidates += (NATIVE,)
+    chosen, n = {}, 1
     while n <= MAX_ROWS:
         ms = dict.fromkeys((LINEAR, *candidates), 0.0)
         for (shape, output), weight in weights.items():

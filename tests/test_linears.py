@@ -22,6 +22,7 @@ from clover_hf.linears import (
 from .tiny import ARCHS, prompt, same, tiny_model
 
 EVERY = {1 << k: "transposed" for k in range(1, MAX_ROWS.bit_length())}  # 2, 4, ... MAX_ROWS
+COUNTS = {1, *EVERY}  # the row counts forms are timed at
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 11, 16, 31])
@@ -49,6 +50,27 @@ def test_a_row_count_takes_the_form_of_the_power_of_two_below_it():
         ["linear", "transposed", "transposed", "linear", "linear", "float32", "float32", "linear"])
     assert form_for(forms, MAX_ROWS) == form_for(forms, 10 * MAX_ROWS) == "float32_transposed"  # a prefill
     assert form_for({}, 8) == "linear"
+    assert form_for({1: "native", **forms}, 1) == "native" and form_for({1: "native"}, 2) == "linear"
+
+
+def test_the_native_form_switches_onednn_off_for_its_product_only(monkeypatch):
+    seen = []
+    original = F.linear
+
+    def spy(*args):
+        seen.append(torch.backends.mkldnn.enabled)
+        if len(seen) == 2:
+            raise RuntimeError("a failing product")
+        return original(*args)
+
+    monkeypatch.setattr(F, "linear", spy)
+    weight, x = torch.randn(8, 4).to(torch.bfloat16), torch.randn(1, 4).to(torch.bfloat16)
+    before = torch.backends.mkldnn.enabled
+    assert torch.equal(form_linear(x, weight, None, "native"), original(x, weight))
+    with pytest.raises(RuntimeError, match="failing"):
+        form_linear(x, weight, None, "native")
+    form_linear(x, weight, None, "linear")
+    assert seen == [False, False, before] and torch.backends.mkldnn.enabled == before  # restored, also on error
 
 
 def test_linear_forms_apply_to_listed_row_counts_and_are_undone():
@@ -80,16 +102,18 @@ def test_linear_forms_apply_to_listed_row_counts_and_are_undone():
 def test_greedy_stays_exact_with_transposed_linears_in_every_verify(arch, monkeypatch):
     import clover_hf.linears as linears
 
-    used = []
+    used, native = [], []
     monkeypatch.setattr(linears, "transposed_linear", lambda x, *args: used.append(x.shape) or transposed_linear(x, *args))
+    monkeypatch.setattr(linears, "native_linear", lambda x, *args: native.append(x.shape) or F.linear(x, *args))
     base = tiny_model(arch)
     ids = prompt(4)
     ref = base.generate(ids, max_new_tokens=30, do_sample=False)
     clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
     costs = CostModel.from_function(lambda rows, width: 10.0, draft_ms=0.0)  # the whole tree every step
-    costs.forms = EVERY
+    costs.forms = {1: "native", **EVERY}
     assert same(clover.generate(ids, max_new_tokens=30, do_sample=False, budget=costs), ref)
     assert clover.generation_stats.verified_per_step > 2 and len(used) > 0  # verified in the transposed form
+    assert len(native) > 0  # one-row products (the heads' first level drafts from one state) in the native form
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -101,12 +125,13 @@ def test_forms_are_measured_on_the_cpu_within_their_bounds(dtype, monkeypatch):
                         or form_linear(x, w, b, form))
     model = tiny_model("llama").to(dtype)
     forms = faster_forms([model], reps=1)
-    assert set(forms) <= set(EVERY) and set(forms.values()) <= set(FORMS) - {"linear"}
+    assert set(forms) <= COUNTS and set(forms.values()) <= set(FORMS) - {"linear"}
     tried = {form for _, _, form in timed}
-    assert tried == (set(FORMS) if dtype == torch.bfloat16 else {"linear", "transposed"})  # float32 forms: half weights
+    half = set(FORMS) - (set() if torch.backends.mkldnn.is_available() else {"native"})  # native: ATen without oneDNN
+    assert tried == (half if dtype == torch.bfloat16 else {"linear", "transposed"})  # float32 forms: half weights
     vocab = model.lm_head.weight.shape
     last = max(n for n, _, _ in timed)
-    assert {n for n, shape, _ in timed if shape == vocab} == {n for n in EVERY if n <= min(VERIFY_ROWS, last)}
+    assert {n for n, shape, _ in timed if shape == vocab} == {n for n in COUNTS if n <= min(VERIFY_ROWS, last)}
     if last < MAX_ROWS:  # a float32 form settled it: every larger count keeps that form
         assert dtype == torch.bfloat16 and forms[last] in ("float32", "float32_transposed")
         assert all(forms[n] == forms[last] for n in EVERY if n > last)
@@ -119,13 +144,13 @@ def test_a_float32_form_twice_as_fast_is_kept_for_larger_row_counts_untimed(monk
     import clover_hf.linears as linears
 
     timed, current = [], {}
-    cost = {"linear": 1.0, "transposed": 1.0, "float32": 0.8, "float32_transposed": 0.9}
+    cost = {"linear": 1.0, "transposed": 1.0, "float32": 0.8, "float32_transposed": 0.9, "native": 1.0}
 
     def record(x, w, b, form):
         current["key"] = (x.shape[0], form)
         timed.append(current["key"])
 
-    def fake_ms(fn, reps):  # float32 costs 0.8x F.linear at 2-4 rows, 0.4x from 8 rows up
+    def fake_ms(fn, reps):  # float32 costs 0.8x F.linear at 1-4 rows, 0.4x from 8 rows up
         fn()
         rows, form = current["key"]
         return cost[form] * rows * (0.5 if form == "float32" and rows >= 8 else 1.0)
@@ -133,7 +158,7 @@ def test_a_float32_form_twice_as_fast_is_kept_for_larger_row_counts_untimed(monk
     monkeypatch.setattr(linears, "form_linear", record)
     monkeypatch.setattr(linears, "_best_ms", fake_ms)
     forms = faster_forms([tiny_model("llama").to(torch.bfloat16)])
-    assert forms == {n: "float32" for n in EVERY}  # 0.8x F.linear at 2-4 rows: chosen, timed on; 0.4x at 8: settled
+    assert forms == {n: "float32" for n in COUNTS}  # 0.8x F.linear at 1-4 rows: chosen, timed on; 0.4x at 8: settled
     assert max(rows for rows, _ in timed) == 8
 
 
