@@ -64,13 +64,16 @@ def _upcast(x, weight, bias):
 
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias) with oneDNN switched off for the call, so ATen's own kernel computes
-    it. The switch is process-wide: a product another thread runs meanwhile also goes without oneDNN."""
-    enabled = torch.backends.mkldnn.enabled
+    it. The switch is process-wide: a product another thread runs meanwhile also goes without oneDNN.
+    Where it is off already (by the user, or by such a product in another thread) it is left alone,
+    so two threads cannot leave it off for good."""
+    if not torch.backends.mkldnn.enabled:
+        return F.linear(x, weight, bias)
     torch.backends.mkldnn.enabled = False
     try:
         return F.linear(x, weight, bias)
     finally:
-        torch.backends.mkldnn.enabled = enabled
+        torch.backends.mkldnn.enabled = True
 
 
 def form_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: str) -> torch.Tensor:

@@ -71,6 +71,10 @@ def test_the_native_form_switches_onednn_off_for_its_product_only(monkeypatch):
         form_linear(x, weight, None, "native")
     form_linear(x, weight, None, "linear")
     assert seen == [False, False, before] and torch.backends.mkldnn.enabled == before  # restored, also on error
+    with torch.backends.mkldnn.flags(enabled=False):  # switched off already: left off
+        form_linear(x, weight, None, "native")
+        assert seen[-1] is False and torch.backends.mkldnn.enabled is False
+    assert torch.backends.mkldnn.enabled == before
 
 
 def test_linear_forms_apply_to_listed_row_counts_and_are_undone():
