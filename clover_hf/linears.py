@@ -30,6 +30,7 @@ FORMS = (LINEAR, TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED, NATIVE)
 MAX_ROWS = 256  # forms are timed at 1, 2, 4, ... this many rows; longer inputs take the form chosen here
 MIN_GAIN = 0.9  # another form must take at most this share of F.linear's time
 SETTLED = 0.5  # a float32 form taking at most this share of F.linear's time is kept for every larger row count
+NATIVE_BEHIND = 1.5  # the native form taking this many times F.linear's time is not timed at larger row counts
 PAD_ROWS = 8
 VERIFY_ROWS = 64  # past this many rows (a prefill), the output embedding is not timed
 SLICE_ROWS = 16384  # larger weights are timed on this many of their rows
@@ -102,6 +103,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, for
     return form_linear(x, weight, bias, form_for(forms, rows))
 
 
+def onednn_serves(dtype: torch.dtype) -> bool:
+    """Whether oneDNN computes `F.linear` for half-precision weights of `dtype` on this CPU (elsewhere
+    the native form is F.linear itself: on an AVX2-only CPU torch computes bf16 without oneDNN)."""
+    check = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
+    if check is None or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return bool(getattr(torch.ops.mkldnn, check)())
+    except (AttributeError, RuntimeError):  # a torch build without the check: time the form
+        return True
+
+
 def _best_ms(fn, reps: int) -> float:
     fn()
     best = float("inf")
@@ -117,9 +130,10 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3) -> dict[int, str]:
     """The form faster than F.linear, by at least MIN_GAIN, over the models' linear layers at 1, 2, 4,
     ... MAX_ROWS rows (each weight shape weighted by how often it occurs; the output embedding only up
     to VERIFY_ROWS); counts where F.linear is fastest are left out. W @ x.T is tried always, the
-    float32 forms and ATen's own kernel ("native", where torch has oneDNN) for half-precision weights;
-    once a float32 form takes at most SETTLED of F.linear's time, larger counts keep it untimed. CPU
-    only: elsewhere, none."""
+    float32 forms and ATen's own kernel ("native", where oneDNN serves their dtype) for half-precision
+    weights. Once a float32 form takes at most SETTLED of F.linear's time, larger counts keep it
+    untimed; once the native form takes NATIVE_BEHIND times it, larger counts skip it (ATen's kernel
+    falls further behind oneDNN's with more rows). CPU only: elsewhere, none."""
     models = list(models)
     vocab = {id(m.get_output_embeddings()) for m in models if hasattr(m, "get_output_embeddings")}
     shapes = Counter()
@@ -132,10 +146,11 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3) -> dict[int, str]:
             weights[key] = m.weight[:SLICE_ROWS]
     if not weights or next(iter(weights.values())).device.type != "cpu":
         return {}
-    half = next(iter(weights.values())).dtype in (torch.float16, torch.bfloat16)
-    candidates = (TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED) if half else (TRANSPOSED,)
-    if half and torch.backends.mkldnn.is_available():
-        candidates += (NATIVE,)
+    dtype = next(iter(weights.values())).dtype
+    half = dtype in (torch.float16, torch.bfloat16)
+    candidates = [TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED] if half else [TRANSPOSED]
+    if half and onednn_serves(dtype):
+        candidates.append(NATIVE)
     chosen, n = {}, 1
     while n <= MAX_ROWS:
         ms = dict.fromkeys((LINEAR, *candidates), 0.0)
@@ -149,6 +164,8 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3) -> dict[int, str]:
         best = min(candidates, key=ms.get)
         if ms[best] < MIN_GAIN * ms[LINEAR]:
             chosen[n] = best
+        if NATIVE in ms and ms[NATIVE] >= NATIVE_BEHIND * ms[LINEAR]:
+            candidates.remove(NATIVE)
         if best in (FLOAT32, FLOAT32_TRANSPOSED) and ms[best] <= SETTLED * ms[LINEAR]:
             # converting the weight is a fixed cost that more rows share further: no need to time them
             # (in bf16 on an AVX2 CPU, the larger row counts took half the timing)

@@ -16,6 +16,7 @@ from clover_hf.linears import (
     form_for,
     form_linear,
     linear_forms,
+    onednn_serves,
     transposed_linear,
 )
 
@@ -131,7 +132,7 @@ def test_forms_are_measured_on_the_cpu_within_their_bounds(dtype, monkeypatch):
     forms = faster_forms([model], reps=1)
     assert set(forms) <= COUNTS and set(forms.values()) <= set(FORMS) - {"linear"}
     tried = {form for _, _, form in timed}
-    half = set(FORMS) - (set() if torch.backends.mkldnn.is_available() else {"native"})  # native: ATen without oneDNN
+    half = set(FORMS) - (set() if onednn_serves(dtype) else {"native"})  # native: ATen's kernel instead of oneDNN's
     assert tried == (half if dtype == torch.bfloat16 else {"linear", "transposed"})  # float32 forms: half weights
     vocab = model.lm_head.weight.shape
     last = max(n for n, _, _ in timed)
@@ -164,6 +165,35 @@ def test_a_float32_form_twice_as_fast_is_kept_for_larger_row_counts_untimed(monk
     forms = faster_forms([tiny_model("llama").to(torch.bfloat16)])
     assert forms == {n: "float32" for n in COUNTS}  # 0.8x F.linear at 1-4 rows: chosen, timed on; 0.4x at 8: settled
     assert max(rows for rows, _ in timed) == 8
+
+
+def test_the_native_form_is_timed_while_it_keeps_up_with_f_linear(monkeypatch):
+    """ATen's own kernel can beat oneDNN's for one bf16 row, never by much for many: once it takes
+    NATIVE_BEHIND times F.linear's time, larger row counts do not time it."""
+    import clover_hf.linears as linears
+
+    timed, current = [], {}
+
+    def record(x, w, b, form):
+        current["key"] = (x.shape[0], form)
+        timed.append(current["key"])
+
+    def fake_ms(fn, reps):  # native: 0.5x F.linear at one row, 1.2x at 2, 2x at 4
+        fn()
+        rows, form = current["key"]
+        return rows * ({1: 0.5, 2: 1.2}.get(rows, 2.0) if form == "native" else 1.0)
+
+    monkeypatch.setattr(linears, "form_linear", record)
+    monkeypatch.setattr(linears, "_best_ms", fake_ms)
+    monkeypatch.setattr(linears, "onednn_serves", lambda dtype: True)
+    forms = faster_forms([tiny_model("llama").to(torch.bfloat16)])
+    assert forms == {1: "native"}
+    assert {rows for rows, form in timed if form == "native"} == {1, 2, 4}
+    assert max(rows for rows, _ in timed) == MAX_ROWS
+    monkeypatch.setattr(linears, "onednn_serves", lambda dtype: False)  # native would be F.linear itself
+    timed.clear()
+    assert faster_forms([tiny_model("llama").to(torch.bfloat16)]) == {}
+    assert "native" not in {form for _, form in timed}
 
 
 def test_linear_forms_are_undone_on_error_and_take_a_layer_listed_twice_once():
