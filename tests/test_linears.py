@@ -143,25 +143,31 @@ def test_forms_are_measured_on_the_cpu_within_their_bounds(dtype, monkeypatch):
     assert faster_forms([torch.nn.Sequential()]) == {}  # no linear layers: nothing to measure
 
 
-def test_a_float32_form_twice_as_fast_is_kept_for_larger_row_counts_untimed(monkeypatch):
-    """Converting a half weight to float32 is a fixed cost per product: once that form takes at most
-    half of F.linear's time, more rows only favour it more, so they are not timed."""
+def _fake_timings(monkeypatch, ms) -> list[tuple[int, str]]:
+    """faster_forms times each product as `ms(rows, form)` instead of the clock; returns the (rows, form) timed."""
     import clover_hf.linears as linears
 
-    timed, current = [], {}
-    cost = {"linear": 1.0, "transposed": 1.0, "float32": 0.8, "float32_transposed": 0.9, "native": 1.0}
+    timed = []
 
     def record(x, w, b, form):
-        current["key"] = (x.shape[0], form)
-        timed.append(current["key"])
+        timed.append((x.shape[0], form))
 
-    def fake_ms(fn, reps):  # float32 costs 0.8x F.linear at 1-4 rows, 0.4x from 8 rows up
+    def fake_ms(fn, reps):
         fn()
-        rows, form = current["key"]
-        return cost[form] * rows * (0.5 if form == "float32" and rows >= 8 else 1.0)
+        return ms(*timed[-1])
 
     monkeypatch.setattr(linears, "form_linear", record)
     monkeypatch.setattr(linears, "_best_ms", fake_ms)
+    return timed
+
+
+def test_a_float32_form_twice_as_fast_is_kept_for_larger_row_counts_untimed(monkeypatch):
+    """Converting a half weight to float32 is a fixed cost per product: once that form takes at most
+    half of F.linear's time, more rows only favour it more, so they are not timed."""
+    cost = {"linear": 1.0, "transposed": 1.0, "float32": 0.8, "float32_transposed": 0.9, "native": 1.0}
+    # float32 costs 0.8x F.linear at 1-4 rows, 0.4x from 8 rows up
+    timed = _fake_timings(monkeypatch, lambda rows, form: cost[form] * rows * (
+        0.5 if form == "float32" and rows >= 8 else 1.0))
     forms = faster_forms([tiny_model("llama").to(torch.bfloat16)])
     assert forms == {n: "float32" for n in COUNTS}  # 0.8x F.linear at 1-4 rows: chosen, timed on; 0.4x at 8: settled
     assert max(rows for rows, _ in timed) == 8
@@ -172,19 +178,9 @@ def test_the_native_form_is_timed_while_it_keeps_up_with_f_linear(monkeypatch):
     NATIVE_BEHIND times F.linear's time, larger row counts do not time it."""
     import clover_hf.linears as linears
 
-    timed, current = [], {}
-
-    def record(x, w, b, form):
-        current["key"] = (x.shape[0], form)
-        timed.append(current["key"])
-
-    def fake_ms(fn, reps):  # native: 0.5x F.linear at one row, 1.2x at 2, 2x at 4
-        fn()
-        rows, form = current["key"]
-        return rows * ({1: 0.5, 2: 1.2}.get(rows, 2.0) if form == "native" else 1.0)
-
-    monkeypatch.setattr(linears, "form_linear", record)
-    monkeypatch.setattr(linears, "_best_ms", fake_ms)
+    # native: 0.5x F.linear at one row, 1.2x at 2, 2x from 4 up
+    timed = _fake_timings(monkeypatch, lambda rows, form: rows * (
+        {1: 0.5, 2: 1.2}.get(rows, 2.0) if form == "native" else 1.0))
     monkeypatch.setattr(linears, "onednn_serves", lambda dtype: True)
     forms = faster_forms([tiny_model("llama").to(torch.bfloat16)])
     assert forms == {1: "native"}
