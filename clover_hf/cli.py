@@ -22,7 +22,7 @@ import sys
 import typing
 
 from .pipeline import DataConfig, train_heads
-from .training import TrainConfig
+from .training import STOPPED_EXIT_CODE, TrainConfig
 
 
 def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     command = args.pop("command")
     if command == "train":
         push = args.pop("push_to_hub")
-        train_heads(_pick(DataConfig, args), _pick(TrainConfig, args), push_to_hub=push)
+        if train_heads(_pick(DataConfig, args), _pick(TrainConfig, args), push_to_hub=push) is None:
+            return STOPPED_EXIT_CODE  # stopped at --max-minutes with a checkpoint
     elif command == "bench":
         bench_command(**args)
     return 0

@@ -117,10 +117,14 @@ class CloverConfig:
         metadata={"help": "Medusa only: each head projects to the draft vocabulary with its own weights, initialised "
                           "from the base's lm_head rows (Medusa-1 proper). False: the heads share the base's lm_head."},
     )
+    medusa_num_layers: int = field(
+        default=1, metadata={"help": "Medusa only: residual blocks per head (Medusa-1's medusa_num_layers)."}
+    )
     model_type: str = field(default="clover", metadata={"help": "Marks a Clover heads config."})
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "vocab_size", "num_heads", "num_augment_layers", "num_attention_heads"):
+        for name in ("hidden_size", "vocab_size", "num_heads", "num_augment_layers", "num_attention_heads",
+                     "medusa_num_layers"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_key_value_heads is None:
@@ -151,6 +155,8 @@ class CloverConfig:
                              "have their own: drop output_head")
         if self.head_type != "medusa" and self.own_lm_heads:
             raise ValueError("own_lm_heads is Medusa-1's per-head vocabulary projection: use it with head_type='medusa'")
+        if self.head_type != "medusa" and self.medusa_num_layers != 1:
+            raise ValueError("medusa_num_layers sets Medusa-1's residual blocks per head: use it with head_type='medusa'")
         for name in ("dynamic_tree", "accelerator_dynamic_tree"):
             if self.head_type == "medusa" and getattr(self, name) is not None:
                 raise ValueError(f"Medusa heads draft static trees only: drop {name} and give `tree` (paths)")
@@ -183,7 +189,7 @@ class CloverConfig:
             del data["accelerator_dynamic_tree"]
         if data["head_dim"] * data["num_attention_heads"] == data["hidden_size"]:  # and before head_dim
             del data["head_dim"]
-        for name, default in (("output_head", "residual"), ("own_lm_heads", False)):  # and before these
+        for name, default in (("output_head", "residual"), ("own_lm_heads", False), ("medusa_num_layers", 1)):  # likewise
             if data[name] == default:
                 del data[name]
         return data

@@ -7,6 +7,7 @@ model at run time and are passed in explicitly (`embed`, and the lm_head rows as
 
 from __future__ import annotations
 
+import re
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -17,6 +18,7 @@ from torch import nn
 
 from .config import CloverConfig
 from .linears import LinearForms, linear
+from .packing import document_ids
 
 if TYPE_CHECKING:
     from .tree import TreeBuffers
@@ -86,7 +88,7 @@ class AugmentLayer(nn.Module):
         x: torch.Tensor,  # (B, T, H)
         positions: torch.Tensor,  # (B, T)
         past: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attn_mask: torch.Tensor | None = None,  # additive (B, 1, T, past+T); None: plain causal
+        attn_mask: torch.Tensor | None = None,  # additive, or bool (True: attend), (B, 1, T, past+T); None: causal
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         B, T, _ = x.shape
         y = self.input_layernorm(x)
@@ -273,6 +275,10 @@ class DraftHeads(nn.Module):
         """Copy what fits from the base into fresh heads; returns whether anything was copied."""
         return False
 
+    def upgrade_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Weights saved by an earlier release, renamed to this release's layout (here: as they are)."""
+        return state
+
     def init_projections(self, lm_head: nn.Module) -> None:
         """Start projections of their own from the base's lm_head rows (once the draft vocabulary is chosen)."""
 
@@ -322,15 +328,22 @@ class CloverHeads(DraftHeads):
             values.append(v)
         return self.augment_norm(x), AugmentCache(keys, values)
 
-    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor) -> list[torch.Tensor]:
+    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Teacher-forced pass for training (a `forward`, so DDP syncs its gradients).
 
-        hidden: (B, T, H) base states at t; next_embeds: (B, T, H) embeddings of x_{t+1}.
+        hidden: (B, T, H) base states at t; next_embeds: (B, T, H) embeddings of x_{t+1}; position_ids
+        (B, T), for rows of packed examples, restart at 0 where an example starts (none: one example).
         Returns per head i a (B, T-1-i, H) normed hidden at t = 0..T-2-i whose logits predict x_{t+2+i}.
         """
         B, T, _ = hidden.shape
-        positions = torch.arange(T, device=hidden.device).expand(B, -1)
-        s, _ = self.features(hidden, next_embeds, positions)
+        if position_ids is None:
+            positions, mask = torch.arange(T, device=hidden.device).expand(B, -1), None
+        else:  # each packed example attends to itself only: causal within its own block
+            docs = document_ids(position_ids)
+            causal = torch.ones(T, T, dtype=torch.bool, device=hidden.device).tril()
+            positions, mask = position_ids, ((docs[:, :, None] == docs[:, None, :]) & causal)[:, None]
+        s, _ = self.features(hidden, next_embeds, positions, attn_mask=mask)
         outs = []
         for i in range(self.config.num_heads):
             L = T - 1 - i
@@ -464,7 +477,7 @@ class ResBlock(nn.Module):
 class MedusaHeads(DraftHeads):
     """Medusa-1 heads (Cai et al., 2024), the baseline Clover is measured against.
 
-    Head i maps the base's last hidden state at t through one residual block to the token at t+2+i,
+    Head i maps the base's last hidden state at t through `medusa_num_layers` residual blocks to the token at t+2+i,
     independently of the tokens drafted before it: every node of a depth draws from the same top-k.
     By default they share the base's lm_head and Clover's draft vocabulary, so that a comparison
     with Clover trained by the same recipe isolates the heads' architecture. With
@@ -474,11 +487,19 @@ class MedusaHeads(DraftHeads):
 
     def __init__(self, config: CloverConfig) -> None:
         super().__init__(config)
-        self.heads = nn.ModuleList(ResBlock(config.hidden_size) for _ in range(config.num_heads))
+        self.heads = nn.ModuleList(
+            nn.Sequential(*(ResBlock(config.hidden_size) for _ in range(config.medusa_num_layers)))
+            for _ in range(config.num_heads)
+        )
         if config.own_lm_heads:
             rows = config.draft_vocab_size or config.vocab_size
             self.lm_heads = nn.ModuleList(nn.Linear(config.hidden_size, rows, bias=False)
                                           for _ in range(config.num_heads))
+
+    def upgrade_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Heads saved when each had one residual block kept it at `heads.{i}.linear`: now `heads.{i}.0.linear`."""
+        old = re.compile(r"heads\.(\d+)\.linear\.(weight|bias)")
+        return {(f"heads.{m[1]}.0.linear.{m[2]}" if (m := old.fullmatch(k)) else k): v for k, v in state.items()}
 
     @torch.no_grad()
     def init_projections(self, lm_head: nn.Module) -> None:
@@ -507,8 +528,10 @@ class MedusaHeads(DraftHeads):
         """Medusa reads the base's hidden states as they are and keeps no cache."""
         return hidden, None
 
-    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor) -> list[torch.Tensor]:
-        """Teacher-forced pass, shaped as `CloverHeads.forward`: head i at t = 0..T-2-i predicts x_{t+2+i}."""
+    def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Teacher-forced pass, shaped as `CloverHeads.forward`: head i at t = 0..T-2-i predicts x_{t+2+i}.
+        Each position is drafted from on its own, so packed examples need no mask."""
         T = hidden.shape[1]
         return [head(hidden[:, : T - 1 - i]) for i, head in enumerate(self.heads) if T - 1 - i > 0]
 

@@ -107,6 +107,7 @@ def load_heads(directory: str | Path, device: torch.device | str = "cpu", dtype:
     except (SafetensorError, OSError, ValueError) as err:
         raise ValueError(f"{weights} is not a readable safetensors file: {err}") from None
     heads = build_heads(config)
+    state = heads.upgrade_state_dict(state)
     expected = heads.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

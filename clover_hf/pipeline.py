@@ -1,4 +1,5 @@
-"""The whole training recipe: check inputs, self-distill, cache features, train, save (and push)."""
+"""The whole training recipe: check inputs, self-distill, cache features (or pack rows for training
+online), train, save (and push)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .data import Record, load_records, sharegpt_conversations
-from .features import FeatureSet, cache_features, first_prompt, read_distilled, self_distill, tokenize_record
+from .config import validate_tree
+from .features import FeatureSet, cache_features, first_prompt, read_distilled, self_distill, tokenize_records
 from .heads import DraftHeads
 from .hub import load_heads, resolve_heads
 from .modeling import CloverForCausalLM, check_supported
-from .config import validate_tree
+from .packing import PackedRows
 from .tree import expected_accepted, tree_from_accuracies
 from .training import Trainer, TrainConfig, choose_draft_vocab, format_accuracy
 
@@ -32,7 +34,13 @@ class DataConfig:
     base_dtype: str = field(default="bfloat16", metadata={"help": "dtype the base runs in for data and features."})
     max_records: int | None = field(default=None, metadata={"help": "Use at most this many records."})
     skip_records: int = field(default=0, metadata={"help": "Skip this many records first (e.g. an earlier stage's)."})
-    max_length: int = field(default=1024, metadata={"help": "Tokens per training sequence (longer are cut)."})
+    max_length: int = field(default=1024, metadata={"help": "Tokens per training sequence (longer are cut); "
+                                                             "online, the length of the packed rows."})
+    online: bool = field(
+        default=False, metadata={"help": "Run the base inside each training step over rows of packed sequences instead "
+                                         "of caching its features on disk (for data of any size; best on a GPU)."}
+    )
+    workers: int = field(default=1, metadata={"help": "Processes that tokenize the data."})
     self_distill: bool = field(default=False, metadata={"help": "Replace responses with the base's own."})
     distill_max_new_tokens: int = 256
     distill_batch_size: int = 16
@@ -89,8 +97,9 @@ def check_inputs(data: DataConfig, base_config) -> None:
         raise ValueError(f"distill_max_new_tokens {data.distill_max_new_tokens} exceeds the base's context of {context}")
 
 
-def prepare_features(data: DataConfig, out: Path, accelerator: Accelerator, log=print):
-    """Records -> (optional self-distillation) -> token ids -> cached base features. Returns (base, tokenizer, features)."""
+def prepare_data(data: DataConfig, out: Path, accelerator: Accelerator, log=print):
+    """Records -> (optional self-distillation) -> token ids -> cached base features, or rows packed for
+    training online. Returns (base, tokenizer, FeatureSet or PackedRows)."""
     from transformers import AutoConfig
 
     check_inputs(data, AutoConfig.from_pretrained(data.base_model, revision=data.base_revision))
@@ -112,7 +121,12 @@ def prepare_features(data: DataConfig, out: Path, accelerator: Accelerator, log=
         records = []
         for path in sorted(out.glob(f"selfdistill-r*-w{world}.jsonl")):
             records += [r["messages"] for r in read_distilled(path)]
-    examples = [ex for r in records if (ex := tokenize_record(r, tokenizer, data.max_length)) is not None]
+    if data.online:
+        if data.extra_features:
+            raise ValueError("--extra-features are cached features, and online training runs the base itself: "
+                             "drop --extra-features, or --online")
+        return base, tokenizer, packed_rows(records, tokenizer, data, out, accelerator, log)
+    examples = tokenize_records(records, tokenizer, data.max_length, data.workers)
     if not examples:
         raise ValueError("no example has trainable (assistant) tokens after tokenization")
     log(f"{len(examples)} sequences, {sum(len(e.input_ids) for e in examples)} tokens")
@@ -125,12 +139,31 @@ def prepare_features(data: DataConfig, out: Path, accelerator: Accelerator, log=
     return base, tokenizer, FeatureSet.load(feature_dir, *data.extra_features)
 
 
+def packed_rows(records: list[Record], tokenizer, data: DataConfig, out: Path, accelerator: Accelerator,
+                log=print) -> PackedRows:
+    """The records tokenized and packed into rows of `max_length`, once: kept in `out` under a name keyed
+    by the records, the tokenizer's base and the length, so a resumed run skips the tokenizing."""
+    digest = hashlib.sha256(json.dumps([data.base_model, data.base_revision, data.max_length, records]).encode())
+    path = out / f"packed-{digest.hexdigest()[:12]}-L{data.max_length}.safetensors"
+    with accelerator.main_process_first():
+        if not path.exists():
+            examples = tokenize_records(records, tokenizer, data.max_length, data.workers)
+            if not examples:
+                raise ValueError("no example has trainable (assistant) tokens after tokenization")
+            pad = next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None)
+            PackedRows.pack(examples, data.max_length, pad).save(path)
+    rows = PackedRows.load(path)
+    log(f"{rows.tokens} tokens packed into {len(rows)} rows of {data.max_length} "
+        f"({100 * rows.tokens / rows.input_ids.numel():.0f}% filled)")
+    return rows
+
+
 def warm_start(heads: DraftHeads, source: str, keep_vocabulary: bool = False) -> None:
     """Copy trained weights into freshly built `heads`. Their draft vocabulary stays the one chosen
     from this run's data, unless `keep_vocabulary` (then the source's comes too)."""
     start = load_heads(resolve_heads(source))
     ours, theirs = heads.config, start.config
-    sizes = ["head_type", "hidden_size", "vocab_size", "num_heads", "output_head", "own_lm_heads"]
+    sizes = ["head_type", "hidden_size", "vocab_size", "num_heads", "output_head", "own_lm_heads", "medusa_num_layers"]
     if keep_vocabulary:
         sizes.append("draft_vocab_size")
     if ours.head_type == "clover":
@@ -145,13 +178,14 @@ def warm_start(heads: DraftHeads, source: str, keep_vocabulary: bool = False) ->
         raise ValueError(f"--init-heads {source} does not fit this run: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
-def train_heads(data: DataConfig, train: TrainConfig, push_to_hub: str | None = None, log=print) -> Path:
-    """Run the recipe end to end; returns the directory of the trained heads."""
+def train_heads(data: DataConfig, train: TrainConfig, push_to_hub: str | None = None, log=print) -> Path | None:
+    """Run the recipe end to end; returns the directory of the trained heads (None when training stopped
+    at `train.max_minutes`: run it again to continue)."""
     accelerator = make_accelerator(train.mixed_precision)
     log = log if accelerator.is_main_process else (lambda *a, **k: None)
     out = Path(train.output_dir)
     started = time.time()
-    base, tokenizer, features = prepare_features(data, out, accelerator, log)
+    base, tokenizer, features = prepare_data(data, out, accelerator, log)
     prep_seconds = time.time() - started
     torch.manual_seed(train.seed)
     clover = CloverForCausalLM.from_base(
@@ -159,6 +193,7 @@ def train_heads(data: DataConfig, train: TrainConfig, push_to_hub: str | None = 
         draft_vocab_size=train.draft_vocab_size if train.draft_vocab_size and train.draft_vocab_size < base.config.vocab_size else None,
         base_model_name_or_path=data.base_model, base_revision=data.base_revision,
         output_head=train.output_head, own_lm_heads=train.own_lm_heads, init_norms_from_base=train.init_norms_from_base,
+        medusa_num_layers=train.medusa_num_layers,
     )
     heads = clover.clover_heads.float()
     vocab = choose_draft_vocab(features.token_counts(clover.clover_config.vocab_size), clover.clover_config.draft_vocab_size)
@@ -168,8 +203,10 @@ def train_heads(data: DataConfig, train: TrainConfig, push_to_hub: str | None = 
     if train.init_heads:  # heads with projections of their own keep the draft vocabulary those were trained on
         warm_start(heads, train.init_heads, keep_vocabulary=train.own_lm_heads)
         log(f"starting from the heads in {train.init_heads}")
-    trainer = Trainer(train, heads, base, features, accelerator)
+    trainer = Trainer(train, heads, base, features, accelerator, top_k=data.top_k)
     final = trainer.train(log)
+    if final is None:  # stopped at --max-minutes: the next run continues from the checkpoint
+        return None
     heads_dir = out / "heads"
     if accelerator.is_main_process:
         trained = accelerator.unwrap_model(trainer.heads)
@@ -181,7 +218,7 @@ def train_heads(data: DataConfig, train: TrainConfig, push_to_hub: str | None = 
         clover = CloverForCausalLM(base, trained.to(base.dtype))
         card = {
             "training": {
-                "sequences": len(features), "tokens": int(features.offsets[-1]), "steps": train.max_steps,
+                "sequences": len(features), "tokens": features.tokens, "steps": trainer.total_steps,
                 "batch_size": train.batch_size, "self_distill": data.self_distill, "data": data.data,
                 "prepare_seconds": round(prep_seconds), "total_seconds": round(time.time() - started),
                 "processes": accelerator.num_processes,

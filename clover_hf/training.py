@@ -1,14 +1,18 @@
 """Training draft heads (Clover's, or the Medusa baseline's) on a frozen base: one Accelerate loop on
 CPU, one GPU, or many processes.
 
-Per head i the loss is cross-entropy against the base's own top-k next-token distribution at the
-target position (soft labels, restricted to the draft vocabulary) plus a SmoothL1 pull of the head's
-output features toward the base's hidden state there, weighted head_decay ** i (Clover-2 recipe).
+Per head i the loss is cross-entropy against the base's own next-token distribution at the target
+position (soft labels: its top-k, or the whole distribution, restricted to the draft vocabulary) plus a
+SmoothL1 pull of the head's output features toward the base's hidden state there, weighted
+head_decay ** i (Clover-2 recipe); or, for Medusa-1, cross-entropy on the data's own next tokens.
+The base's outputs come from cached features (`FeatureSet`) or from the base itself, run inside the
+training step over packed rows (`PackedRows`), so the data can grow without disk.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -21,10 +25,14 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from .config import check_head_type
-from .features import FeatureSet
+from .features import FeatureSet, base_targets
 from .heads import DraftHeads, DraftLMHead
+from .packing import PackedRows, document_ids
 
 RANKS = 10  # evaluation records where the base's top-1 falls among each head's top-10 (shapes the tree)
+LABELS = ("top_k", "full", "data")
+SCHEDULES = ("linear", "cosine")
+STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: `clover-hf train` stopped at --max-minutes with a checkpoint; run it again
 
 
 @dataclass
@@ -39,20 +47,34 @@ class TrainConfig:
     init_norms_from_base: bool = field(
         default=False, metadata={"help": "Start the Augmenting Block's final norm from the base's final norm (Clover-2)."}
     )
+    medusa_num_layers: int = field(default=1, metadata={"help": "Medusa: residual blocks per head."})
     own_lm_heads: bool = field(
         default=False, metadata={"help": "Medusa: a vocabulary projection per head, from the base's lm_head (Medusa-1)."}
+    )
+    labels: str = field(
+        default="top_k", metadata={"help": "What each head learns to predict: top_k, the base's k likeliest next tokens "
+                                           "(soft labels, Clover); full, the base's whole distribution (soft labels, "
+                                           "Clover-2; needs --online); data, the data's own next token (Medusa-1)."}
     )
     label_top_k: int | None = field(
         default=None, metadata={"help": "Soft labels from the base's top-k tokens, renormalised (1: its top-1 alone, "
                                         "as cross-entropy on hard labels; None: all the k cached)."}
     )
     draft_vocab_size: int | None = field(default=8192, metadata={"help": "Frequent tokens to draft from (None: all)."})
-    max_steps: int = field(default=1000, metadata={"help": "Optimizer steps."})
+    max_steps: int = field(default=1000, metadata={"help": "Optimizer steps (unless --epochs)."})
+    epochs: float | None = field(
+        default=None, metadata={"help": "Passes over the training sequences; sets the number of steps instead of --max-steps."}
+    )
+    max_minutes: float | None = field(
+        default=None, metadata={"help": f"Stop after this long with a checkpoint, exit code {STOPPED_EXIT_CODE}; "
+                                        "the same command continues from it."}
+    )
     batch_size: int = field(default=8, metadata={"help": "Sequences per optimizer step, over all processes."})
     lr: float = field(default=1e-3, metadata={"help": "Peak AdamW learning rate."})
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.0
-    warmup_steps: int = field(default=50, metadata={"help": "Linear warmup, then linear decay to 0."})
+    warmup_steps: int = field(default=50, metadata={"help": "Linear warmup, then decay to 0 (--schedule)."})
+    schedule: str = field(default="linear", metadata={"help": "Decay after warmup: linear (Clover-2) or cosine (Medusa-1)."})
     grad_clip: float = 1.0
     head_decay: float = field(default=0.7, metadata={"help": "Loss weight of head i is head_decay ** i."})
     feature_loss_weight: float = field(default=1.0, metadata={"help": "Weight of the SmoothL1 feature loss."})
@@ -72,6 +94,12 @@ class TrainConfig:
         if self.max_steps < 1 or self.batch_size < 1:
             raise ValueError("max_steps and batch_size must be >= 1")
         check_head_type(self.head_type)  # here too, so a bad value fails before features are cached
+        if self.labels not in LABELS:
+            raise ValueError(f"labels must be one of {LABELS}, got {self.labels!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ValueError(f"epochs must be > 0, got {self.epochs}")
         if self.label_top_k is not None and self.label_top_k < 1:
             raise ValueError(f"label_top_k must be >= 1 (or None: every cached token), got {self.label_top_k}")
         if not 0.0 <= self.eval_fraction < 1.0:
@@ -79,10 +107,12 @@ class TrainConfig:
         self.betas = tuple(self.betas)
 
 
-def lr_lambda(step: int, warmup: int, total: int) -> float:
+def lr_lambda(step: int, warmup: int, total: int, schedule: str = "linear") -> float:
+    """Learning-rate factor at `step`: linear warmup, then linear or cosine decay to 0 at `total`."""
     if step < warmup:
         return (step + 1) / warmup
-    return max(0.0, (total - step) / max(1, total - warmup))
+    left = max(0.0, (total - step) / max(1, total - warmup))
+    return left if schedule == "linear" else 0.5 * (1 - math.cos(math.pi * left))
 
 
 def choose_draft_vocab(counts: torch.Tensor, size: int | None) -> torch.Tensor | None:
@@ -102,30 +132,49 @@ def head_losses(
     head_decay: float,
     feature_loss_weight: float,
     label_top_k: int | None = None,
+    labels: str = "top_k",
 ) -> tuple[torch.Tensor, list[dict[str, float]]]:
-    """Weighted loss over heads and per-head stats (loss, top-1 and top-5 agreement with the base)."""
+    """Weighted loss over heads and per-head stats (loss, top-1 and top-5 agreement with the base).
+
+    `batch` holds `input_ids`, `loss_mask`, the base's `hidden`, `topk_ids` and `topk_probs` (and
+    `target_logits` for labels="full"), all (B, T, ...); with `position_ids`, rows of packed examples.
+    """
     h, x = batch["hidden"], batch["input_ids"]  # (B, T, H), (B, T)
-    outs = heads(h[:, :-1], embed(x[:, 1:]).to(h.dtype))  # head i: (B, T-2-i, H) at t = 0..T-3-i
+    positions = batch.get("position_ids")
+    outs = heads(h[:, :-1], embed(x[:, 1:]).to(h.dtype), None if positions is None else positions[:, :-1])
+    docs = None if positions is None else document_ids(positions)
     project = getattr(heads, "module", heads).head_logits  # heads wrapped for DDP keep their methods on .module
+
+    def draft_index(ids: torch.Tensor) -> torch.Tensor:  # -1 where a token is not in the draft vocabulary
+        return ids if full_to_draft is None else full_to_draft[ids]
+
     rows = DraftLMHead(lm_weight, lm_bias)
     total, stats = h.new_zeros(()), []
-    for i, u in enumerate(outs):
+    for i, u in enumerate(outs):  # u: (B, L, H) at t = 0..L-1, predicting x_{t+2+i}
         L = u.shape[1]
         valid = batch["loss_mask"][:, 2 + i : 2 + i + L]
-        tgt_ids = batch["topk_ids"][:, 1 + i : 1 + i + L][valid][:, :label_top_k]  # (n, k) base's top-k for x_{t+2+i}
-        tgt_p = batch["topk_probs"][:, 1 + i : 1 + i + L][valid][:, :label_top_k]
-        if full_to_draft is not None:
-            tgt_ids = full_to_draft[tgt_ids]
-            tgt_p = tgt_p * (tgt_ids >= 0)
-        keep = tgt_p.sum(-1) > 0
-        best = tgt_ids[keep][:, 0]  # the base's top-1 as a draft index; -1 when it cannot be drafted
-        tgt_ids, tgt_p = tgt_ids[keep].clamp(min=0), tgt_p[keep] / tgt_p[keep].sum(-1, keepdim=True)
+        if docs is not None:  # the target must lie in the example of t
+            valid = valid & (docs[:, 2 + i : 2 + i + L] == docs[:, :L])
+        at = slice(1 + i, 1 + i + L)  # the base's state and distribution that predict x_{t+2+i}
+        best = draft_index(batch["topk_ids"][:, at][valid][:, 0])  # (n,) the base's top-1
+        if labels == "data":
+            tgt_ids = draft_index(x[:, 2 + i : 2 + i + L][valid])[:, None]  # (n, 1)
+            tgt_p = (tgt_ids >= 0).to(torch.float32)
+        elif labels == "full":
+            tgt_p, tgt_ids = batch["target_logits"][:, at][valid].float().softmax(-1), None  # (n, V')
+        else:
+            tgt_ids = draft_index(batch["topk_ids"][:, at][valid][:, :label_top_k])  # (n, k)
+            tgt_p = batch["topk_probs"][:, at][valid][:, :label_top_k].float() * (tgt_ids >= 0)
+        keep = tgt_p.sum(-1) > 0  # positions with something to learn inside the draft vocabulary
+        best, tgt_p = best[keep], tgt_p[keep] / tgt_p[keep].sum(-1, keepdim=True)
         hidden_valid = u[valid][keep]
         logits = project(i, hidden_valid, rows).float()  # (n, V')
         logp = logits.log_softmax(-1)
         n = max(1, logits.shape[0])  # a batch with no target for this head contributes 0, not NaN
-        ce = -(tgt_p * logp.gather(-1, tgt_ids)).sum() / n
-        target_hidden = batch["hidden"][:, 1 + i : 1 + i + L][valid][keep].float()
+        if tgt_ids is not None:
+            logp = logp.gather(-1, tgt_ids[keep].clamp(min=0))
+        ce = -(tgt_p * logp).sum() / n
+        target_hidden = h[:, at][valid][keep].float()
         feat = F.smooth_l1_loss(hidden_valid.float(), target_hidden, reduction="sum") / (n * target_hidden.shape[-1])
         loss = ce + feature_loss_weight * feat
         total = total + head_decay**i * loss
@@ -144,22 +193,30 @@ def head_losses(
 
 
 class Trainer:
-    """Trains `heads` on cached features; checkpoints so that an interrupted run resumes exactly."""
+    """Trains `heads` on cached features or, online, on packed rows that the base runs over inside each
+    step; checkpoints so that an interrupted run resumes exactly."""
 
-    def __init__(self, config: TrainConfig, heads: DraftHeads, base, features: FeatureSet,
-                 accelerator: Accelerator | None = None) -> None:
+    def __init__(self, config: TrainConfig, heads: DraftHeads, base, data: FeatureSet | PackedRows,
+                 accelerator: Accelerator | None = None, top_k: int = 8) -> None:
         self.config = config
         self.accelerator = accelerator or Accelerator(mixed_precision=config.mixed_precision)
         self.base = base
-        self.features = features
+        self.data = data
+        self.online = isinstance(data, PackedRows)
+        self.top_k = top_k  # online: the base's likeliest tokens kept per position
+        if config.labels == "full" and not self.online:
+            raise ValueError("labels='full' learns the base's whole distribution, which cached features do not keep: "
+                             "train online (--online) or use labels='top_k'")
         self.out = Path(config.output_dir)
-        n = len(features)
+        n = len(data)
         g = torch.Generator().manual_seed(config.seed)
         order = torch.randperm(n, generator=g).tolist()
         n_eval = int(n * config.eval_fraction) if n > 1 else 0
         self.eval_ids, self.train_ids = order[:n_eval], order[n_eval:]
         if not self.train_ids:
             raise ValueError("no training sequences left after the evaluation split")
+        self.total_steps = config.max_steps if config.epochs is None else \
+            max(1, math.ceil(config.epochs * len(self.train_ids) / config.batch_size))
         lm_head = base.get_output_embeddings()
         device = self.accelerator.device
         self.embed = base.get_input_embeddings()
@@ -167,14 +224,15 @@ class Trainer:
         self.lm_weight = rows.weight.detach().float().to(device)
         self.lm_bias = None if rows.bias is None else rows.bias.detach().float().to(device)
         ids = heads.draft_token_ids
+        self.draft_token_ids = None if ids is None else ids.to(device)
         if ids is not None:
             self.full_to_draft = torch.full((lm_head.weight.shape[0],), -1, dtype=torch.long, device=device)
-            self.full_to_draft[ids.to(device)] = torch.arange(ids.numel(), device=device)
+            self.full_to_draft[self.draft_token_ids] = torch.arange(ids.numel(), device=device)
         else:
             self.full_to_draft = None
         optimizer = torch.optim.AdamW(heads.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: lr_lambda(s, config.warmup_steps, config.max_steps)
+            optimizer, lambda s: lr_lambda(s, config.warmup_steps, self.total_steps, config.schedule)
         )
         self.heads, self.optimizer, self.scheduler = self.accelerator.prepare(heads.float(), optimizer, scheduler)
         self.step = 0
@@ -190,12 +248,17 @@ class Trainer:
         return [self.train_ids[j] for j in chosen[rank::world]] or [self.train_ids[chosen[0]]]
 
     def _device_batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.accelerator.device) for k, v in self.features.batch(indices).items()}
+        batch = {k: v.to(self.accelerator.device) for k, v in self.data.batch(indices).items()}
+        if self.online:
+            targets = base_targets(self.base, batch["input_ids"], self.top_k, batch["position_ids"],
+                                   self.draft_token_ids, full=self.config.labels == "full")
+            batch.update(targets, hidden=targets["hidden"].float())
+        return batch
 
     def _losses(self, batch):
         return head_losses(
             self.heads, batch, self.embed, self.lm_weight, self.lm_bias, self.full_to_draft,
-            self.config.head_decay, self.config.feature_loss_weight, self.config.label_top_k,
+            self.config.head_decay, self.config.feature_loss_weight, self.config.label_top_k, self.config.labels,
         )
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -214,7 +277,8 @@ class Trainer:
         acc.save_state(str(tmp))
         acc.wait_for_everyone()  # ... and has finished before tmp becomes the checkpoint
         if acc.is_main_process:
-            (tmp / "trainer_state.json").write_text(json.dumps({"step": self.step, "config": asdict(self.config)}))
+            state = {"step": self.step, "total_steps": self.total_steps, "config": asdict(self.config)}
+            (tmp / "trainer_state.json").write_text(json.dumps(state))
             os.replace(tmp, final)  # a checkpoint exists only once it is complete
             for old in self.checkpoints()[:-2]:
                 shutil.rmtree(old)
@@ -249,15 +313,20 @@ class Trainer:
             out.append({"top1": ranks[0], "top5": sum(ranks[:5]), "loss": float(row[0]) / n, "ranks": ranks})
         return out
 
-    def train(self, log=print) -> list[dict[str, float]]:
+    def train(self, log=print) -> list[dict[str, float]] | None:
+        """Train to the last step and return the final evaluation; None when stopped at `max_minutes`
+        (with a checkpoint the next run resumes from)."""
         cfg, acc = self.config, self.accelerator
         if self.resume():
             log(f"resumed from step {self.step}")
         self.heads.train()
-        bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", disable=not acc.is_main_process)
-        started = time.time()
-        while self.step < cfg.max_steps:
-            batch = self._device_batch(self.batch_indices(self.step))
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
+                   disable=not acc.is_main_process)
+        started, tokens = time.time(), 0
+        deadline = None if cfg.max_minutes is None else started + 60 * cfg.max_minutes
+        while self.step < self.total_steps:
+            indices = self.batch_indices(self.step)
+            batch = self._device_batch(indices)
             loss, stats = self._losses(batch)
             acc.backward(loss)
             if cfg.grad_clip:
@@ -266,16 +335,31 @@ class Trainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
+            tokens += self.data.count_tokens(indices) * acc.num_processes
             bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{s['top1']:.2f}" for s in stats))
-            if self.step % cfg.save_every == 0 or self.step == cfg.max_steps:
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{s['top1']:.2f}" for s in stats),
+                            tok_s=f"{tokens / max(time.time() - started, 1e-9):,.0f}")
+            stop = deadline is not None and self._all_agree(time.time() >= deadline)
+            if self.step % cfg.save_every == 0 or self.step == self.total_steps or stop:
                 self.save_checkpoint()
-            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.max_steps:
+            if stop and self.step < self.total_steps:
+                bar.close()
+                log(f"stopped after {cfg.max_minutes} minutes at step {self.step} of {self.total_steps} "
+                    f"(checkpoint saved): run the same command again to continue")
+                return None
+            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < self.total_steps:
                 log(f"step {self.step} eval " + format_accuracy(self.evaluate()))
         bar.close()
         final = self.evaluate()
         log(f"final eval ({time.time() - started:.0f} s this run) " + format_accuracy(final))
         return final
+
+    def _all_agree(self, flag: bool) -> bool:
+        """Whether any process says so (each process reads its own clock; all must stop at the same step)."""
+        if self.accelerator.num_processes == 1:
+            return flag
+        t = torch.tensor([float(flag)], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(t, reduction="sum").item() > 0)
 
 
 def format_accuracy(stats: list[dict[str, float]]) -> str:

@@ -178,3 +178,32 @@ def test_the_card_names_the_loss_and_initialisation():
     assert "final norm started from the base's final norm" in card
     assert "the output heads are Clover-2's" in card
 
+
+
+def test_medusa_heads_of_several_blocks_decode_exactly_and_read_one_block_heads(tmp_path):
+    """medusa_num_layers stacks residual blocks per head (Medusa-1's option); heads saved when a head was one
+    block (weights at heads.{i}.linear) still load, into the first block."""
+    from safetensors.torch import load_file, save_file
+
+    from clover_hf.hub import load_heads
+
+    base = tiny_model("llama")
+    clover = random_heads(base, seed=3, head_type="medusa", medusa_num_layers=2, tree=[[0], [1], [0, 0]])[0]
+    assert len(clover.clover_heads.heads[0]) == 2
+    ids = prompt(4)
+    assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget="full"),
+                base.generate(ids, max_new_tokens=24, do_sample=False))
+    clover.save_pretrained(tmp_path / "two")
+    assert load_file(tmp_path / "two" / "model.safetensors").keys() >= {"heads.0.1.linear.weight"}
+    one = random_heads(base, seed=4, head_type="medusa", tree=[[0], [0, 0]])[0]
+    one.save_pretrained(tmp_path / "one")
+    path = tmp_path / "one" / "model.safetensors"
+    state = load_file(path)
+    legacy = {k.replace(".0.linear.", ".linear."): v for k, v in state.items()}
+    assert "heads.1.linear.bias" in legacy
+    save_file(legacy, str(path))
+    again = load_heads(tmp_path / "one")
+    for name, tensor in one.clover_heads.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+    with pytest.raises(ValueError, match="medusa_num_layers"):
+        CloverConfig(hidden_size=64, vocab_size=256, medusa_num_layers=2)
