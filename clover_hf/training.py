@@ -33,6 +33,7 @@ RANKS = 10  # evaluation records where the base's top-1 falls among each head's 
 LABELS = ("top_k", "full", "data")
 SCHEDULES = ("linear", "cosine")
 STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: `clover-hf train` stopped at --max-minutes with a checkpoint; run it again
+TIMED_STEPS = (2, 8)  # with train_minutes, a run's length comes from the time of its steps 3 to 8 (after warm-up)
 
 
 @dataclass
@@ -64,6 +65,10 @@ class TrainConfig:
     max_steps: int = field(default=1000, metadata={"help": "Optimizer steps (unless --epochs)."})
     epochs: float | None = field(
         default=None, metadata={"help": "Passes over the training sequences; sets the number of steps instead of --max-steps."}
+    )
+    train_minutes: float | None = field(
+        default=None, metadata={"help": "Fit the whole run into about this much training time: the speed of the first "
+                                        "steps cuts the number of steps (and the schedule follows)."}
     )
     max_minutes: float | None = field(
         default=None, metadata={"help": f"Stop after this long with a checkpoint, exit code {STOPPED_EXIT_CODE}; "
@@ -98,6 +103,8 @@ class TrainConfig:
             raise ValueError(f"labels must be one of {LABELS}, got {self.labels!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.train_minutes is not None and self.train_minutes <= 0:
+            raise ValueError(f"train_minutes must be > 0, got {self.train_minutes}")
         if self.epochs is not None and self.epochs <= 0:
             raise ValueError(f"epochs must be > 0, got {self.epochs}")
         if self.label_top_k is not None and self.label_top_k < 1:
@@ -236,6 +243,9 @@ class Trainer:
         )
         self.heads, self.optimizer, self.scheduler = self.accelerator.prepare(heads.float(), optimizer, scheduler)
         self.step = 0
+        self.fitted = False  # whether train_minutes has set total_steps
+        self._timer = 0.0  # when this run's timed steps began (train_minutes)
+        self.clock = time.monotonic  # seconds, for --max-minutes, --train-minutes and tokens/s
 
     # -- data order: a pure function of (seed, step), so resuming replays the same batches -----
     def batch_indices(self, step: int) -> list[int]:
@@ -277,7 +287,8 @@ class Trainer:
         acc.save_state(str(tmp))
         acc.wait_for_everyone()  # ... and has finished before tmp becomes the checkpoint
         if acc.is_main_process:
-            state = {"step": self.step, "total_steps": self.total_steps, "config": asdict(self.config)}
+            state = {"step": self.step, "total_steps": self.total_steps, "fitted": self.fitted,
+                     "config": asdict(self.config)}
             (tmp / "trainer_state.json").write_text(json.dumps(state))
             os.replace(tmp, final)  # a checkpoint exists only once it is complete
             for old in self.checkpoints()[:-2]:
@@ -289,7 +300,10 @@ class Trainer:
         if not found:
             return False
         self.accelerator.load_state(str(found[-1]))
-        self.step = json.loads((found[-1] / "trainer_state.json").read_text())["step"]
+        state = json.loads((found[-1] / "trainer_state.json").read_text())
+        self.step = state["step"]
+        if state.get("fitted"):  # the length train_minutes chose holds for the rest of the run
+            self.total_steps, self.fitted = state["total_steps"], True
         return True
 
     # -- loops -----------------------------------------------------------------------------
@@ -322,7 +336,7 @@ class Trainer:
         self.heads.train()
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
                    disable=not acc.is_main_process)
-        started, tokens = time.time(), 0
+        started, tokens, done_here = self.clock(), 0, 0
         deadline = None if cfg.max_minutes is None else started + 60 * cfg.max_minutes
         while self.step < self.total_steps:
             indices = self.batch_indices(self.step)
@@ -334,12 +348,15 @@ class Trainer:
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-            self.step += 1
+            self.step, done_here, now = self.step + 1, done_here + 1, self.clock()
+            if cfg.train_minutes and not self.fitted:
+                self._fit_length(done_here, now, log)
+                bar.total = self.total_steps
             tokens += self.data.count_tokens(indices) * acc.num_processes
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{s['top1']:.2f}" for s in stats),
-                            tok_s=f"{tokens / max(time.time() - started, 1e-9):,.0f}")
-            stop = deadline is not None and self._all_agree(time.time() >= deadline)
+                            tok_s=f"{tokens / max(now - started, 1e-9):,.0f}")
+            stop = deadline is not None and self._all_agree(now >= deadline)
             if self.step % cfg.save_every == 0 or self.step == self.total_steps or stop:
                 self.save_checkpoint()
             if stop and self.step < self.total_steps:
@@ -351,8 +368,20 @@ class Trainer:
                 log(f"step {self.step} eval " + format_accuracy(self.evaluate()))
         bar.close()
         final = self.evaluate()
-        log(f"final eval ({time.time() - started:.0f} s this run) " + format_accuracy(final))
+        log(f"final eval ({self.clock() - started:.0f} s this run) " + format_accuracy(final))
         return final
+
+    def _fit_length(self, done_here: int, now: float, log) -> None:
+        """With train_minutes: time this run's steps 3 to 8, then cut the run to the steps that fit."""
+        first, last = TIMED_STEPS
+        if done_here == first:
+            self._timer = now
+        elif done_here == last:
+            per_step = torch.tensor([(now - self._timer) / (last - first)], device=self.accelerator.device)
+            per_step = float(self.accelerator.reduce(per_step, reduction="mean"))  # one length for every process
+            fits = int(60 * self.config.train_minutes / per_step)
+            self.total_steps, self.fitted = max(self.step, min(self.total_steps, fits)), True
+            log(f"{per_step:.3f} s a step: {self.total_steps} steps fit in {self.config.train_minutes} minutes")
 
     def _all_agree(self, flag: bool) -> bool:
         """Whether any process says so (each process reads its own clock; all must stop at the same step)."""

@@ -158,14 +158,25 @@ class Session:
             self.mark("distill")
 
     def train(self, name: str, options: list[str]) -> None:
-        a = self.args
+        """Online training on ShareGPT plus the answers. Clover's run takes --epochs, cut to --train-minutes
+        of training; Medusa-1's then takes exactly as many steps, over the same packed rows in the same order."""
+        a, out = self.args, self.work / name
+        if name == "clover":
+            length = ["--epochs", str(a.epochs), "--train-minutes", str(a.train_minutes)]
+        else:
+            clover = json.loads((self.work / "clover" / "heads" / "training_metrics.json").read_text())
+            length = ["--max-steps", str(clover["training"]["steps"])]
+            out.mkdir(exist_ok=True)
+            for packed in (self.work / "clover").glob("packed-*.safetensors"):  # tokenized and packed once
+                if not (out / packed.name).exists():
+                    shutil.copy(packed, out / packed.name)
         cmd = [sys.executable, "-m", "clover_hf.cli", "train", "--base-model", self.base_dir("bfloat16"),
                "--data", *a.data, str(self.work / "answers.jsonl"), "--online", "--max-length", str(a.max_length),
                "--workers", str(a.workers), "--num-heads", str(a.num_heads), "--draft-vocab-size", str(a.draft_vocab_size),
-               "--epochs", str(a.epochs), "--batch-size", str(a.batch_size), "--lr", "1e-3", "--warmup-steps",
-               str(a.warmup_steps), "--mixed-precision", "bf16" if a.device != "cpu" else "no", "--save-every", "200",
-               "--eval-every", "0", "--tree-size", "10", "--max-minutes", f"{max(0.5, self.remaining() - 2):.1f}",
-               "--output-dir", str(self.work / name), *options]
+               "--batch-size", str(a.batch_size), "--lr", "1e-3", "--warmup-steps", str(a.warmup_steps),
+               "--mixed-precision", "bf16" if a.device != "cpu" else "no", "--save-every", "100", "--eval-every", "0",
+               "--tree-size", "10", "--max-minutes", f"{max(0.5, self.remaining() - 2):.1f}", "--output-dir", str(out),
+               *length, *options]
         if self.sh(f"train-{name}", cmd, ok=(0, 75)) == 0:
             self.mark(f"train-{name}")
 
@@ -280,13 +291,15 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--num-heads", type=int, default=4)
     r.add_argument("--draft-vocab-size", type=int, default=8192)
     r.add_argument("--max-length", type=int, default=2048)
-    r.add_argument("--epochs", type=float, default=1.0)
+    r.add_argument("--epochs", type=float, default=1.0, help="Clover's passes over the data, unless cut by --train-minutes")
+    r.add_argument("--train-minutes", type=float, default=4.0, help="Clover's training time at most (Medusa-1 takes as many steps)")
     r.add_argument("--batch-size", type=int, default=16, help="packed rows per step")
     r.add_argument("--warmup-steps", type=int, default=40)
     r.add_argument("--workers", type=int, default=16, help="tokenizing processes")
     r.add_argument("--distill-max-new-tokens", type=int, default=256)
-    r.add_argument("--distill-batch-size", type=int, default=512)
-    r.add_argument("--accuracy-limit", type=int, default=80, help="MT-Bench prompts for tokens per forward")
+    r.add_argument("--distill-batch-size", type=int, default=1024)
+    r.add_argument("--accuracy-limit", type=int, default=20,
+                   help="MT-Bench prompts for tokens per forward (float32 is device-independent: all 80 can run on a CPU later)")
     r.add_argument("--bench-limit", type=int, default=20, help="prompts per benchmark")
     r.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args(argv)

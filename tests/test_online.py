@@ -119,7 +119,8 @@ def _online_trainer(tmp_path, labels: str, draft_vocab_size: int | None = 64, **
     clover = CloverForCausalLM.from_base(base, num_heads=3, draft_vocab_size=draft_vocab_size)
     rows = PackedRows.pack(_examples([20, 14, 9, 17, 12, 22, 8, 16]), length=32, pad_id=0)
     settings = dict(output_dir=str(tmp_path / "o"), max_steps=6, batch_size=2, eval_fraction=0, save_every=100,
-                    eval_every=0, warmup_steps=1, labels=labels, **config)
+                    eval_every=0, warmup_steps=1, labels=labels)
+    settings.update(config)
     return Trainer(TrainConfig(**settings), clover.clover_heads, base, rows, top_k=4), rows
 
 
@@ -232,3 +233,17 @@ def test_tokenizing_in_worker_processes_gives_the_same_examples(tiny_base):
     one = tokenize_records(records, tok, 64)
     two = tokenize_records(records, tok, 64, workers=2)
     assert len(one) == 141 and one == two
+
+
+def test_train_minutes_cuts_the_run_to_what_fits_and_a_resumed_run_keeps_that_length(tmp_path):
+    trainer, _ = _online_trainer(tmp_path, "top_k", max_steps=40, train_minutes=2.0, save_every=4, warmup_steps=10)
+    clock = iter(range(0, 10**6, 10))  # the trainer reads its clock once a step: each step takes 10 s
+    trainer.clock = lambda: float(next(clock))
+    logged = []
+    trainer.train(log=logged.append)
+    # steps 3 to 8 took 10 s each, so 2 minutes hold 12 steps
+    assert trainer.step == trainer.total_steps == 12 and any("12 steps fit" in line for line in logged)
+    state = json.loads((trainer.checkpoints()[-1] / "trainer_state.json").read_text())
+    assert state["total_steps"] == 12 and state["fitted"]
+    again, _ = _online_trainer(tmp_path, "top_k", max_steps=40, train_minutes=2.0, save_every=4, warmup_steps=10)
+    assert again.resume() and again.total_steps == 12 and again.fitted
