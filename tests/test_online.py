@@ -247,3 +247,29 @@ def test_train_minutes_cuts_the_run_to_what_fits_and_a_resumed_run_keeps_that_le
     assert state["total_steps"] == 12 and state["fitted"]
     again, _ = _online_trainer(tmp_path, "top_k", max_steps=40, train_minutes=2.0, save_every=4, warmup_steps=10)
     assert again.resume() and again.total_steps == 12 and again.fitted
+
+
+def test_online_training_over_two_processes(tiny_base, tmp_path):
+    """accelerate launch with --online: one process packs the rows, both run the base over their share of
+    each batch, and the heads come out loadable and exact."""
+    import os
+    import subprocess
+    import sys
+
+    from .test_training import REPO
+
+    data = _chats(tmp_path / "chats.jsonl")
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+           "--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "clover_hf.cli",
+           *_args(tiny_base, data, out, **{"online": None, "labels": "full", "max-length": "96", "max-steps": "6"})]
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-8000:]
+    assert len(list(out.glob("packed-*.safetensors"))) == 1
+    metrics = json.loads((out / "heads" / "training_metrics.json").read_text())
+    assert metrics["training"]["processes"] == 2 and metrics["training"]["steps"] == 6
+    clover = CloverForCausalLM.from_pretrained(out / "heads")
+    ids = prompt(2)
+    assert torch.equal(clover.generate(ids, max_new_tokens=16, do_sample=False, budget="full"),
+                       clover.base_model.generate(ids, max_new_tokens=16, do_sample=False))
