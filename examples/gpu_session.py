@@ -87,12 +87,13 @@ class Session:
         (self.work / f"{stage}.done").write_text(note)
         print(f"[{stage}] done {note}", flush=True)
 
-    def sh(self, name: str, cmd: list[str], ok: tuple[int, ...] = (0,)) -> int:
+    def sh(self, name: str, cmd: list[str], ok: tuple[int, ...] = (0,), env: dict | None = None) -> int:
         """Run `cmd`, its output to the console and to logs/<name>.log; return its exit code."""
         (self.work / "logs").mkdir(exist_ok=True)
         print(f"[{name}] {' '.join(cmd)}", flush=True)
         with open(self.work / "logs" / f"{name}.log", "a") as log:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env or self.env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
             for line in proc.stdout:
                 log.write(line)
                 if "\r" not in line:
@@ -102,9 +103,13 @@ class Session:
         return proc.returncode
 
     # -- stages ------------------------------------------------------------------------------
-    def cuda_tests(self) -> None:
-        self.sh("cuda-tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"])
-        self.mark("cuda-tests")
+    def cuda_tests(self, stage: str, selection: str) -> None:
+        """tests/test_cuda.py: those on tiny models first (the first call has no embedded model yet), then
+        the shipped heads on the embedded model, once the base is converted (into the tests' cache)."""
+        env = dict(self.env, CLOVER_HF_TEST_CACHE=str(self.work / "cache"))
+        self.sh(stage, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py",
+                        "-k", selection], env=env)
+        self.mark(stage)
 
     def base(self) -> bool:
         """The base model as safetensors (bfloat16 and float32): --base-model, or the GGUF from the parts."""
@@ -209,7 +214,7 @@ class Session:
 
     def summary(self, out: Path | None) -> None:
         lines = ["# GPU session", ""]
-        for name in ("cuda-tests", "accuracy", "bench-new", "bench-old"):
+        for name in ("cuda-tests", "cuda-tests-shipped", "accuracy", "bench-new", "bench-old"):
             log = self.work / "logs" / f"{name}.log"
             if log.exists():
                 lines += [f"## {name}", "", "```", *log.read_text().splitlines()[-60:], "```", ""]
@@ -237,8 +242,10 @@ class Session:
         """Every stage not yet done, in order, while time is left; True once all are done."""
         a = self.args
         steps = [
-            ("cuda-tests", self.cuda_tests),
+            ("cuda-tests", lambda: self.cuda_tests("cuda-tests", "not shipped")),
             ("base", None),
+            ("cuda-tests-shipped", lambda: self.cuda_tests("cuda-tests-shipped", "shipped") if a.base_model is None
+             else self.mark("cuda-tests-shipped", "(another base: the shipped heads do not fit it)")),
             ("distill", self.distill),
             ("train-clover", lambda: self.train("clover", CLOVER)),
             ("train-medusa", lambda: self.train("medusa", MEDUSA)),

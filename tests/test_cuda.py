@@ -126,3 +126,54 @@ def test_cuda_tree_forwards_run_without_cudnn_attention():
             assert seen and all(seen)
     finally:
         hook.remove()
+
+
+def test_cuda_packed_examples_keep_apart():
+    """Packed rows on the GPU: the base's targets and the heads' outputs per example equal those of the
+    example alone (TF32 off, float32), as on the CPU."""
+    from clover_hf.features import Example, base_targets
+    from clover_hf.packing import PackedRows
+
+    base = tiny_model("llama").to(CUDA)
+    heads = CloverForCausalLM.from_base(base, num_heads=2).clover_heads
+    examples = [Example(prompt(i, n)[0].tolist(), [1] * n) for i, n in enumerate([12, 9])]
+    rows = PackedRows.pack(examples, length=21, pad_id=0)
+    ids, pos = rows.input_ids.long().to(CUDA), rows.position_ids.long().to(CUDA)
+    embed = base.get_input_embeddings()
+    with torch.no_grad():
+        h = base_targets(base, ids, 4, pos)["hidden"]
+        packed = heads(h[:, :-1], embed(ids[:, 1:]), pos[:, :-1])
+        first = torch.tensor([examples[0].input_ids], device=CUDA)
+        h0 = base_targets(base, first, 4)["hidden"]
+        alone = heads(h0[:, :-1], embed(first[:, 1:]))
+    torch.testing.assert_close(h[0, :12], h0[0], rtol=1e-4, atol=1e-5)
+    for p, a in zip(packed, alone):
+        torch.testing.assert_close(p[:, : a.shape[1]], a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("labels", ["full", "data"])
+def test_cuda_online_training_in_bf16_autocast_learns(tmp_path, labels):
+    """A few online steps on the GPU with bf16 autocast (as the GPU session trains): the loss falls, the base
+    stays as it was, the heads stay float32."""
+    from accelerate import Accelerator
+
+    from clover_hf.features import Example
+    from clover_hf.packing import PackedRows
+    from clover_hf.training import Trainer, TrainConfig
+
+    base = tiny_model("llama", dtype=torch.bfloat16).to(CUDA).requires_grad_(False)
+    head_type = {"full": "clover", "data": "medusa"}[labels]
+    clover = CloverForCausalLM.from_base(base, num_heads=3, draft_vocab_size=64, head_type=head_type,
+                                         own_lm_heads=head_type == "medusa")
+    rows = PackedRows.pack([Example(prompt(i, 10 + i)[0].tolist(), [1] * (10 + i)) for i in range(12)], 48, 0)
+    config = TrainConfig(output_dir=str(tmp_path), max_steps=12, batch_size=2, eval_fraction=0, save_every=100,
+                         eval_every=0, warmup_steps=1, labels=labels, mixed_precision="bf16")
+    trainer = Trainer(config, clover.clover_heads, base, rows, Accelerator(mixed_precision="bf16"), top_k=4)
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    batch = trainer._device_batch([0, 1, 2])
+    first, _ = trainer._losses(batch)
+    trainer.train(log=lambda *_: None)
+    last, _ = trainer._losses(batch)
+    assert last.item() < first.item()
+    assert all(torch.equal(v, before[k]) for k, v in base.state_dict().items())
+    assert all(p.dtype == torch.float32 and p.device.type == "cuda" for p in trainer.heads.parameters())
