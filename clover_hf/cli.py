@@ -10,6 +10,9 @@ Examples:
 
     # an interrupted run resumes from its last checkpoint when started again with the same command
 
+    # Clover for code that keeps its AutoModelForCausalLM: a custom_generate repo on the Hub
+    clover-hf export-generate clover-generate --push-to-hub your-org/clover
+
     # speed on the embedded SmolLM2 with the shipped heads: plain generate vs Clover vs Medusa vs prompt lookup
     clover-hf bench --dtype bfloat16 --limit 80 --max-new-tokens 128
 """
@@ -54,6 +57,11 @@ def make_parser() -> argparse.ArgumentParser:
     _add_dataclass_args(train, TrainConfig)
     train.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="upload the trained heads to this repo")
 
+    export = sub.add_parser("export-generate", help="write a custom_generate repo: Clover for an unchanged model's generate")
+    export.add_argument("directory", help="where the repo's files go")
+    export.add_argument("--repo-id", default=None, help="the repo's name on the Hub, for its README (default: --push-to-hub's)")
+    export.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="also upload it to this repo")
+
     bench = sub.add_parser("bench", help="tokens/s of plain generate, Clover, Medusa and prompt lookup, side by side")
     bench.add_argument("--heads", default=None, help="heads dir or repo (default: the shipped SmolLM2 heads)")
     bench.add_argument("--base-model", default=None, help="base model (default: the heads' base, or embedded SmolLM2)")
@@ -97,7 +105,23 @@ def main(argv: list[str] | None = None) -> int:
             return STOPPED_EXIT_CODE  # stopped at --max-minutes with a checkpoint
     elif command == "bench":
         bench_command(**args)
+    elif command == "export-generate":
+        export_generate_command(**args)
     return 0
+
+
+def export_generate_command(directory: str, repo_id: str | None, push_to_hub: str | None) -> None:
+    from huggingface_hub import create_repo, upload_folder
+
+    from .custom_generate import export_generate
+
+    path = export_generate(directory, repo_id or push_to_hub or "your-org/clover")
+    print(f"custom_generate repo written to {path}")
+    if push_to_hub:
+        create_repo(push_to_hub, exist_ok=True)
+        upload_folder(repo_id=push_to_hub, folder_path=str(path), commit_message="Clover custom_generate")
+        print(f"pushed to {push_to_hub}: model.generate(..., custom_generate={push_to_hub!r}, "
+              "trust_remote_code=True, clover_heads=...)")
 
 
 def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_sample, temperature,
