@@ -1,4 +1,5 @@
-"""Saving and loading heads: a local directory or a Hub repo holding `config.json` + `model.safetensors`."""
+"""Saving and loading heads: a local directory or a Hub repo holding `config.json` + `model.safetensors`
+(or Medusa heads in FasterDecoding's layout, `formats.py`)."""
 
 from __future__ import annotations
 
@@ -16,21 +17,37 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .config import CONFIG_NAME, WEIGHTS_NAME, CloverConfig
+from .formats import MEDUSA_FILES, MEDUSA_WEIGHTS, is_medusa_config, read_medusa, read_safetensors
 from .heads import DraftHeads, build_heads
 
 HEADS_FILES = [CONFIG_NAME, WEIGHTS_NAME, "README.md"]
 
 
-def is_heads_dir(path: str | Path) -> bool:
-    """Whether a local directory holds Clover heads (a config with model_type 'clover')."""
+def _config_data(path: str | Path) -> dict | None:
     try:
-        return json.loads((Path(path) / CONFIG_NAME).read_text()).get("model_type") == "clover"
-    except (OSError, ValueError, AttributeError):
-        return False
+        data = json.loads((Path(path) / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def heads_files(path: str | Path) -> list[str] | None:
+    """The files of the heads in a directory, by the layout its config names: Clover's (model_type
+    'clover') or Medusa's (medusa_num_heads); None if it holds no heads config."""
+    data = _config_data(path)
+    if data is None:
+        return None
+    if data.get("model_type") == "clover":
+        return HEADS_FILES
+    return MEDUSA_FILES if is_medusa_config(data) else None
+
+
+def is_heads_dir(path: str | Path) -> bool:
+    """Whether a local directory holds heads: a Clover config, or a Medusa one in FasterDecoding's layout."""
+    return heads_files(path) is not None
 
 
 def resolve_heads(path_or_repo: str | Path, revision: str | None = None, token: str | bool | None = None,
@@ -50,8 +67,9 @@ def resolve_heads(path_or_repo: str | Path, revision: str | None = None, token: 
                    force_download=force_download)
     try:
         local = snapshot_download(repo_id, allow_patterns=[CONFIG_NAME], **options)
-        if is_heads_dir(local):
-            local = snapshot_download(repo_id, allow_patterns=HEADS_FILES, **options)
+        files = heads_files(local)
+        if files is not None:
+            local = snapshot_download(repo_id, allow_patterns=files, **options)
     except HFValidationError:
         raise OSError(f"'{repo_id}' is neither a local directory nor a valid Hub repo id ('org/name').") from None
     except IncompleteSnapshotError as err:
@@ -95,17 +113,19 @@ def save_heads(heads: DraftHeads, directory: str | Path, safe_serialization: boo
 def load_heads(directory: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> DraftHeads:
     """Build heads from config.json and fill them from model.safetensors, checking every key and shape."""
     directory = Path(directory)
-    config = CloverConfig.load(directory)
-    weights = directory / WEIGHTS_NAME
-    if not weights.is_file():
-        raise FileNotFoundError(
-            f"no heads weights at {weights} (expected {WEIGHTS_NAME} next to {CONFIG_NAME}). Clover reads heads "
-            "from safetensors only: pickle checkpoints (pytorch_model.bin, *.pt) are never loaded."
-        )
-    try:
-        state = load_file(str(weights))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(f"{weights} is not a readable safetensors file: {err}") from None
+    data = _config_data(directory)
+    if is_medusa_config(data):
+        config, state = read_medusa(directory, data)
+        weights = directory / MEDUSA_WEIGHTS
+    else:
+        config = CloverConfig.load(directory)
+        weights = directory / WEIGHTS_NAME
+        if not weights.is_file():
+            raise FileNotFoundError(
+                f"no heads weights at {weights} (expected {WEIGHTS_NAME} next to {CONFIG_NAME}). Clover reads heads "
+                "from safetensors only: pickle checkpoints (pytorch_model.bin, *.pt) are never loaded."
+            )
+        state = read_safetensors(weights)
     heads = build_heads(config)
     state = heads.upgrade_state_dict(state)
     expected = heads.state_dict()
@@ -127,3 +147,4 @@ def load_heads(directory: str | Path, device: torch.device | str = "cpu", dtype:
             raise ValueError(f"{weights}: draft_token_ids fall outside the vocabulary of {config.vocab_size}")
     heads.load_state_dict(state)
     return heads.to(device=device, dtype=dtype) if dtype is not None else heads.to(device)
+

@@ -165,10 +165,12 @@ class CloverForCausalLM(nn.Module):
                                   force_download=base_kwargs.get("force_download", False))
         if not is_heads_dir(heads_dir):
             raise ValueError(
-                f"'{heads_ref}' holds no Clover heads config ({heads_dir}/config.json with model_type 'clover'). "
-                "To load a base model with heads use from_pretrained(base, clover_heads=heads)."
+                f"'{heads_ref}' holds no Clover heads config ({heads_dir}/config.json with model_type 'clover', or "
+                "Medusa's with medusa_num_heads). To load a base model with heads use "
+                "from_pretrained(base, clover_heads=heads)."
             )
-        config = CloverConfig.load(heads_dir)
+        heads = load_heads(heads_dir)
+        config = heads.config
         if base_model is None:
             if not config.base_model_name_or_path:
                 raise ValueError(f"{heads_dir}/config.json names no base model; pass base_model=...")
@@ -181,8 +183,7 @@ class CloverForCausalLM(nn.Module):
                 base_kwargs.setdefault("cache_dir", cache_dir)
             base_model = AutoModelForCausalLM.from_pretrained(base_model, **base_kwargs)
         check_supported(base_model.config)
-        heads = load_heads(heads_dir, device=base_model.device, dtype=base_model.dtype)
-        return cls(base_model, heads)
+        return cls(base_model, heads.to(device=base_model.device, dtype=base_model.dtype))
 
     # -- saving ------------------------------------------------------------------------------
     def save_pretrained(

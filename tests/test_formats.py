@@ -1,0 +1,107 @@
+"""Medusa heads as FasterDecoding publishes them (config.json with medusa_num_heads, medusa_lm_head.safetensors)
+load from the Hub, use every tensor, draft what Medusa-1 defines, and decode exactly; the pickle is refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from huggingface_hub import create_repo, upload_folder
+from safetensors.torch import save_file
+
+from clover_hf import CloverForCausalLM, MedusaHeads
+from clover_hf.hub import load_heads
+
+from .test_hub import BASE_REPO, forbid_pickle, push_base
+from .tiny import prompt, tiny_model
+
+pytestmark = pytest.mark.usefixtures("no_network")
+MEDUSA_REPO = "org/tiny-medusa"
+
+
+def medusa_checkpoint(directory, base, heads: int = 3, layers: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
+    """FasterDecoding's layout, with random blocks and projections near the base's lm_head."""
+    g = torch.Generator().manual_seed(seed)
+    H, V = base.config.hidden_size, base.config.vocab_size
+    lm = base.get_output_embeddings().weight.detach()
+    state = {}
+    for k in range(heads):
+        for j in range(layers):
+            state[f"{k}.{j}.linear.weight"] = torch.randn(H, H, generator=g) * 0.05
+            state[f"{k}.{j}.linear.bias"] = torch.randn(H, generator=g) * 0.05
+        state[f"{k}.{layers}.weight"] = lm + torch.randn(V, H, generator=g) * 0.01
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(directory / "medusa_lm_head.safetensors"))
+    (directory / "config.json").write_text(json.dumps({
+        "medusa_num_heads": heads, "medusa_num_layers": layers, "base_model_name_or_path": BASE_REPO,
+        "transformers_version": "4.33.0"}))
+    return state
+
+
+def test_medusa_repo_from_the_hub_decodes_exactly(hub_server, tmp_path):
+    base = push_base()
+    medusa_checkpoint(tmp_path / "medusa", base)
+    create_repo(MEDUSA_REPO)
+    upload_folder(repo_id=MEDUSA_REPO, folder_path=str(tmp_path / "medusa"))
+    with pytest.MonkeyPatch.context() as patch:
+        forbid_pickle(patch)
+        clover = CloverForCausalLM.from_pretrained(MEDUSA_REPO)
+    assert isinstance(clover.clover_heads, MedusaHeads)
+    config = clover.clover_config
+    assert (config.num_heads, config.medusa_num_layers, config.own_lm_heads, config.draft_vocab_size) == (3, 2, True, None)
+    assert clover.base_model.config._name_or_path == BASE_REPO
+    for seed in (1, 2):
+        ids = prompt(seed)
+        assert torch.equal(clover.generate(ids, max_new_tokens=30, do_sample=False, budget="full"),
+                           base.generate(ids, max_new_tokens=30, do_sample=False))
+    assert clover.generation_stats.tokens_per_step > 1.0  # the heads drafted and some drafts were kept
+
+
+def test_medusa_checkpoint_drafts_what_medusa_1_defines(tmp_path):
+    """Head k: x <- x + SiLU(W_kj x + b_kj) for each block j, then logits = P_k x, from the file's own tensors."""
+    base = tiny_model("llama")
+    state = medusa_checkpoint(tmp_path, base, heads=2, layers=2)
+    heads = load_heads(tmp_path)
+    assert {n for n, _ in heads.named_parameters()} == {
+        *(f"heads.{k}.{j}.linear.{p}" for k in range(2) for j in range(2) for p in ("weight", "bias")),
+        "lm_heads.0.weight", "lm_heads.1.weight"}
+    h = torch.randn(5, base.config.hidden_size)
+    rows = heads.draft_lm_head(base.get_output_embeddings())
+    for k in range(2):
+        x = h
+        for j in range(2):
+            x = x + F.silu(x @ state[f"{k}.{j}.linear.weight"].T + state[f"{k}.{j}.linear.bias"])
+        want = x @ state[f"{k}.2.weight"].T
+        with torch.no_grad():
+            got = heads.head_logits(k, heads.heads[k](h), rows)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda s: s.update({"3.0.linear.weight": s["0.0.linear.weight"].clone()}), "extra \\['3.0.linear.weight'\\]"),
+    (lambda s: s.pop("1.2.weight"), "missing \\['1.2.weight'\\]"),
+])
+def test_a_medusa_file_that_does_not_fit_its_config_is_refused(tmp_path, change, words):
+    state = medusa_checkpoint(tmp_path, tiny_model("llama"))
+    change(state)
+    save_file(state, str(tmp_path / "medusa_lm_head.safetensors"))
+    with pytest.raises(ValueError, match=words):
+        load_heads(tmp_path)
+
+
+def test_pickle_only_medusa_repo_is_refused_with_how_to_convert(hub_server, tmp_path):
+    base = push_base()
+    medusa_checkpoint(tmp_path / "m", base)
+    (tmp_path / "m" / "medusa_lm_head.safetensors").unlink()
+    torch.save({"0.0.linear.weight": torch.zeros(2)}, tmp_path / "m" / "medusa_lm_head.pt")
+    create_repo(MEDUSA_REPO)
+    upload_folder(repo_id=MEDUSA_REPO, folder_path=str(tmp_path / "m"))
+    with pytest.MonkeyPatch.context() as patch:
+        forbid_pickle(patch)
+        with pytest.raises(FileNotFoundError, match="medusa_lm_head.pt.*save_file"):
+            CloverForCausalLM.from_pretrained(MEDUSA_REPO)
+        with pytest.raises(FileNotFoundError, match="is there, a pickle, which clover-hf never loads"):
+            load_heads(tmp_path / "m")  # a local copy that has the pickle says so
+    assert not any(p.endswith(".pt") for _, p in hub_server.requests if "/resolve/" in p)
