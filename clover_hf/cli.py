@@ -10,6 +10,9 @@ Examples:
 
     # an interrupted run resumes from its last checkpoint when started again with the same command
 
+    # Medusa heads for vLLM's Medusa draft model
+    clover-hf export runs/medusa/heads vllm-medusa --format vllm-medusa
+
     # Clover for code that keeps its AutoModelForCausalLM: a custom_generate repo on the Hub
     clover-hf export-generate clover-generate --push-to-hub your-org/clover
 
@@ -56,6 +59,14 @@ def make_parser() -> argparse.ArgumentParser:
     _add_dataclass_args(train, DataConfig)
     _add_dataclass_args(train, TrainConfig)
     train.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="upload the trained heads to this repo")
+
+    engine = sub.add_parser("export", help="write heads in a serving engine's layout")
+    engine.add_argument("heads", help="heads directory or repo (Medusa heads)")
+    engine.add_argument("directory", help="where the engine's files go")
+    engine.add_argument("--format", default="vllm-medusa", choices=["vllm-medusa"],
+                        help="vllm-medusa: vLLM's Medusa draft model (speculative_config method 'medusa')")
+    engine.add_argument("--base-model", default=None,
+                        help="the base, for heads that draft through its lm_head (default: the one their config names)")
 
     export = sub.add_parser("export-generate", help="write a custom_generate repo: Clover for an unchanged model's generate")
     export.add_argument("directory", help="where the repo's files go")
@@ -107,7 +118,27 @@ def main(argv: list[str] | None = None) -> int:
         bench_command(**args)
     elif command == "export-generate":
         export_generate_command(**args)
+    elif command == "export":
+        export_command(**args)
     return 0
+
+
+def export_command(heads: str, directory: str, format: str, base_model: str | None) -> None:
+    from .formats import export_vllm_medusa
+    from .hub import load_heads, resolve_heads
+
+    loaded = load_heads(resolve_heads(heads))
+    lm_head = None
+    if loaded.config.head_type == "medusa" and not loaded.config.own_lm_heads:
+        from transformers import AutoModelForCausalLM
+
+        name = base_model or loaded.config.base_model_name_or_path
+        if name is None:
+            raise ValueError(f"{heads} names no base model and draws on its lm_head: pass --base-model")
+        lm_head = AutoModelForCausalLM.from_pretrained(name).get_output_embeddings()
+    path = export_vllm_medusa(loaded, directory, lm_head)
+    print(f"written to {path}: vLLM serves it as speculative_config={{'method': 'medusa', 'model': '{path}', "
+          f"'num_speculative_tokens': {loaded.config.num_heads}}}")
 
 
 def export_generate_command(directory: str, repo_id: str | None, push_to_hub: str | None) -> None:

@@ -1,4 +1,5 @@
-"""Heads saved in another project's layout, read into ours: Medusa-1 heads as FasterDecoding publishes them.
+"""Heads in other projects' layouts: Medusa-1 heads as FasterDecoding publishes them, read into ours; and
+Medusa heads written for vLLM's Medusa draft model.
 
 FasterDecoding's layout (its `medusa_model.py`, also read by TGI): `config.json` with `medusa_num_heads`,
 `medusa_num_layers` and `base_model_name_or_path`, and `medusa_lm_head.safetensors` holding, for head k,
@@ -8,14 +9,16 @@ projection `{k}.{medusa_num_layers}.weight`. Older repos ship `medusa_lm_head.pt
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from .config import CONFIG_NAME, CloverConfig
+from .heads import DraftHeads
 
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
 MEDUSA_PICKLE = "medusa_lm_head.pt"
@@ -68,3 +71,47 @@ def read_medusa(directory: str | Path, data: dict[str, Any]) -> tuple[CloverConf
         num_attention_heads=1, head_dim=2,  # attention sizes: unused by Medusa heads
     )
     return config, {name: state[theirs] for name, theirs in ours.items()}
+
+
+def export_vllm_medusa(heads: DraftHeads, directory: str | Path, lm_head: torch.nn.Module | None = None) -> Path:
+    """Write Medusa heads in vLLM's Medusa draft-model layout (`vllm/model_executor/models/medusa.py`,
+    `vllm/transformers_utils/configs/medusa.py`): config.json (model_type "medusa", hidden_size, vocab_size,
+    num_heads, num_hidden_layers, medusa_fc_bias, truncated_vocab_size) and model.safetensors with
+    `blocks.{k}.layers.{j}.weight/.bias`, `lm_heads.{k}.weight` and, with a draft vocabulary, `token_map`
+    (the base-vocabulary id of each lm_heads row).
+
+    Heads that share the base's lm_head (no `own_lm_heads`) need that `lm_head`: its draft rows are written
+    as each head's projection."""
+    config = heads.config
+    if config.head_type != "medusa":
+        raise ValueError(f"vLLM's Medusa layout holds Medusa heads; these are {config.head_type} heads (an engine "
+                         "proposer for Clover's heads would need their regressive state and tree: see the README)")
+    if config.own_lm_heads:
+        projections = [p.weight for p in heads.lm_heads]
+    elif lm_head is None:
+        raise ValueError("these Medusa heads draft through the base's lm_head: pass the base (--base-model) so its "
+                         "rows can be written as each head's projection")
+    else:
+        rows = heads.draft_lm_head(lm_head).weight.detach()
+        projections = [rows.clone() for _ in range(config.num_heads)]  # one tensor each: safetensors stores no aliases
+    state = {}
+    for k, blocks in enumerate(heads.heads):
+        for j, block in enumerate(blocks):
+            state[f"blocks.{k}.layers.{j}.weight"] = block.linear.weight
+            state[f"blocks.{k}.layers.{j}.bias"] = block.linear.bias
+        state[f"lm_heads.{k}.weight"] = projections[k]
+    if heads.draft_token_ids is not None:
+        state["token_map"] = heads.draft_token_ids
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    vllm_config = {
+        "model_type": "medusa", "architectures": ["MedusaModel"], "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size, "num_heads": config.num_heads, "num_hidden_layers": config.medusa_num_layers,
+        "medusa_fc_bias": True, "truncated_vocab_size": projections[0].shape[0],
+    }
+    if config.base_model_name_or_path:
+        vllm_config["base_model_name_or_path"] = config.base_model_name_or_path
+    (directory / CONFIG_NAME).write_text(json.dumps(vllm_config, indent=2) + "\n")
+    return directory

@@ -105,3 +105,74 @@ def test_pickle_only_medusa_repo_is_refused_with_how_to_convert(hub_server, tmp_
         with pytest.raises(FileNotFoundError, match="is there, a pickle, which clover-hf never loads"):
             load_heads(tmp_path / "m")  # a local copy that has the pickle says so
     assert not any(p.endswith(".pt") for _, p in hub_server.requests if "/resolve/" in p)
+
+
+def _vllm_medusa_proposals(directory, hidden: torch.Tensor) -> torch.Tensor:
+    """Top-1 proposals per head as vLLM's Medusa draft model computes them from these files (its names and
+    its config's renaming: keys with 'num' and 'heads' / 'layers' become num_heads / num_hidden_layers)."""
+    from safetensors.torch import load_file
+
+    config = json.loads((directory / "config.json").read_text())
+    for key in list(config):
+        if "num" in key and "heads" in key:
+            config["num_heads"] = config.pop(key)
+        elif "num" in key and "layers" in key:
+            config["num_hidden_layers"] = config.pop(key)
+    assert config["model_type"] == "medusa" and config["architectures"] == ["MedusaModel"]
+    weights = load_file(str(directory / "model.safetensors"))
+    token_map = weights.get("token_map")
+    assert (config["truncated_vocab_size"] == config["vocab_size"]) or token_map is not None
+    proposals = []
+    for k in range(config["num_heads"]):
+        x = hidden
+        for j in range(config["num_hidden_layers"]):
+            bias = weights[f"blocks.{k}.layers.{j}.bias"] if config.get("medusa_fc_bias", False) else None
+            x = x + F.silu(F.linear(x, weights[f"blocks.{k}.layers.{j}.weight"], bias))
+        logits = x @ weights[f"lm_heads.{k}.weight"].T
+        if token_map is not None:
+            full = torch.full((*logits.shape[:-1], config["vocab_size"]), -torch.inf)
+            full[..., token_map] = logits
+            logits = full
+        proposals.append(logits.argmax(-1))
+    return torch.stack(proposals)
+
+
+@pytest.mark.parametrize("own_lm_heads", [True, False])
+def test_medusa_heads_export_to_vllms_layout(tmp_path, own_lm_heads):
+    from clover_hf.cli import main as cli_main
+
+    from .tiny import random_heads
+
+    base = tiny_model("llama")
+    base_dir = tmp_path / "base"
+    base.save_pretrained(base_dir)
+    clover = random_heads(base, seed=5, head_type="medusa", own_lm_heads=own_lm_heads, medusa_num_layers=2,
+                          draft_vocab_size=96, base_model_name_or_path=str(base_dir))[0]
+    heads = clover.clover_heads
+    heads.draft_token_ids.copy_(torch.randperm(256)[:96].sort().values)
+    if own_lm_heads:
+        heads.init_projections(base.get_output_embeddings())
+        with torch.no_grad():
+            for p in heads.lm_heads:
+                p.weight.add_(torch.randn_like(p.weight) * 0.05)
+    clover.save_pretrained(tmp_path / "heads")
+    assert cli_main(["export", str(tmp_path / "heads"), str(tmp_path / "vllm"), "--format", "vllm-medusa"]) == 0
+    hidden = torch.randn(6, 64)
+    rows = heads.draft_lm_head(base.get_output_embeddings())
+    with torch.no_grad():
+        ours = torch.stack([heads.draft_token_ids[heads.head_logits(k, heads.heads[k](hidden), rows).argmax(-1)]
+                            for k in range(heads.config.num_heads)])
+    assert torch.equal(_vllm_medusa_proposals(tmp_path / "vllm", hidden), ours)
+
+
+def test_only_medusa_heads_export_to_vllm(tmp_path):
+    from clover_hf.formats import export_vllm_medusa
+
+    from .tiny import random_heads
+
+    clover = random_heads(tiny_model("llama"), seed=1)[0]
+    with pytest.raises(ValueError, match="these are clover heads.*README"):
+        export_vllm_medusa(clover.clover_heads, tmp_path)
+    medusa = random_heads(tiny_model("llama"), seed=1, head_type="medusa")[0]
+    with pytest.raises(ValueError, match="--base-model"):
+        export_vllm_medusa(medusa.clover_heads, tmp_path)
