@@ -91,13 +91,11 @@ class Session:
         """Run `cmd`, its output to the console and to logs/<name>.log; return its exit code."""
         (self.work / "logs").mkdir(exist_ok=True)
         print(f"[{name}] {' '.join(cmd)}", flush=True)
-        with open(self.work / "logs" / f"{name}.log", "a") as log:
-            proc = subprocess.Popen(cmd, cwd=REPO, env=env or self.env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-            for line in proc.stdout:
+        with open(self.work / "logs" / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env or self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            for line in proc.stdout:  # a progress bar redraws with \r: the console gets its last state only
                 log.write(line)
-                if "\r" not in line:
-                    print(line, end="", flush=True)
+                print(line.decode(errors="replace").rsplit("\r", 1)[-1], end="", flush=True)
         if proc.wait() not in ok:
             raise SystemExit(f"[{name}] failed with exit code {proc.returncode}: see {self.work / 'logs' / (name + '.log')}")
         return proc.returncode
