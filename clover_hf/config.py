@@ -11,6 +11,7 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 HEAD_TYPES = ("clover", "medusa")
 OUTPUT_HEADS = ("residual", "linear")
+HEAD_INPUTS = ("post_norm", "pre_norm")
 
 
 def check_head_type(head_type: str) -> None:
@@ -117,6 +118,19 @@ class CloverConfig:
         metadata={"help": "Medusa only: each head projects to the draft vocabulary with its own weights, initialised "
                           "from the base's lm_head rows (Medusa-1 proper). False: the heads share the base's lm_head."},
     )
+    head_input: str = field(
+        default="post_norm",
+        metadata={"help": "Clover only: which last hidden state of the base the heads read. 'post_norm': after the "
+                          "final norm (what the lm_head reads); 'pre_norm': before it (Clover-2's public code)."},
+    )
+    decoder_bias: bool = field(
+        default=False, metadata={"help": "Clover only: biases on the Attention Decoders' q, k, v (Clover-2's code)."}
+    )
+    embed_from_lm_head: bool = field(
+        default=False,
+        metadata={"help": "Clover only: embed drafted tokens with the lm_head's rows (Clover-2's code) instead of the "
+                          "base's input embeddings; the two differ where the base does not tie them."},
+    )
     medusa_num_layers: int = field(
         default=1, metadata={"help": "Medusa only: residual blocks per head (Medusa-1's medusa_num_layers)."}
     )
@@ -155,6 +169,11 @@ class CloverConfig:
                              "have their own: drop output_head")
         if self.head_type != "medusa" and self.own_lm_heads:
             raise ValueError("own_lm_heads is Medusa-1's per-head vocabulary projection: use it with head_type='medusa'")
+        if self.head_input not in HEAD_INPUTS:
+            raise ValueError(f"head_input must be one of {HEAD_INPUTS}, got {self.head_input!r}")
+        for name, default in (("head_input", "post_norm"), ("decoder_bias", False), ("embed_from_lm_head", False)):
+            if self.head_type != "clover" and getattr(self, name) != default:
+                raise ValueError(f"{name} is an option of Clover's heads, not of {self.head_type} heads: drop it")
         if self.head_type != "medusa" and self.medusa_num_layers != 1:
             raise ValueError("medusa_num_layers sets Medusa-1's residual blocks per head: use it with head_type='medusa'")
         for name in ("dynamic_tree", "accelerator_dynamic_tree"):
@@ -189,8 +208,9 @@ class CloverConfig:
             del data["accelerator_dynamic_tree"]
         if data["head_dim"] * data["num_attention_heads"] == data["hidden_size"]:  # and before head_dim
             del data["head_dim"]
-        for name, default in (("output_head", "residual"), ("own_lm_heads", False), ("medusa_num_layers", 1)):  # likewise
-            if data[name] == default:
+        for name, default in (("output_head", "residual"), ("own_lm_heads", False), ("medusa_num_layers", 1),
+                              ("head_input", "post_norm"), ("decoder_bias", False), ("embed_from_lm_head", False)):
+            if data[name] == default:  # and before these options
                 del data[name]
         return data
 

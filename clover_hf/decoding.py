@@ -22,7 +22,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .budget import CATCH_UP_STEPS, CostModel, DraftBudget, choose_width, cost_key, likeliest, path_chances, prune
 from .cache import compact_cache, new_cache, select_rows, select_slots
 from .hardware import timed
-from .heads import AugmentCache, DraftHeads, DraftLMHead
+from .heads import AugmentCache, DraftHeads, DraftLMHead, norm_inputs
 from .linears import LinearForms, faster_forms, linear_forms
 from .lookup import NgramIndex
 from .tree import DynamicTree, StepTree, TreeBuffers, build_tree, select_dynamic, with_chain
@@ -97,13 +97,19 @@ class _Emitter:
             self.streamer.put(tokens.cpu())
 
 
-def _base_forward(model: PreTrainedModel, ids, mask, positions, cache, logits_to_keep: int = 0):
-    """Logits (B, n, V) in fp32 and the last hidden states (B, T, H) of one base forward.
+def _base_forward(model: PreTrainedModel, ids, mask, positions, cache, logits_to_keep: int = 0, pre_norm: bool = False):
+    """Logits (B, n, V) in fp32 and the last hidden states (B, T, H) of one base forward (with `pre_norm`,
+    those before the final norm).
 
     The hidden states are read off the decoder's output with a hook: asking for `output_hidden_states`
     collects every layer's, which cost 1% of a one-token step on a CPU. A model that is its own
     decoder is asked for them."""
     kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep and model._supports_logits_to_keep() else {}
+    if pre_norm:
+        with norm_inputs(model) as captured:
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                        use_cache=True, return_dict=True, **kwargs)
+        return out.logits.float(), captured[-1]
     decoder = model.get_decoder()
     captured = []
     hook = None if decoder is model else decoder.register_forward_hook(lambda m, args, out: captured.append(out))
@@ -475,7 +481,8 @@ def clover_generate(
     if depth > heads.config.num_heads:
         raise ValueError(f"the tree is {depth} deep but the heads draft {heads.config.num_heads} tokens")
     stats = clover_stats if clover_stats is not None else GenerationStats()
-    embed = model.get_input_embeddings()
+    embed = heads.token_embedding(model)
+    pre_norm = heads.config.head_input == "pre_norm"
     int8 = clover_int8_draft
     if int8 is None:  # by default only where it was measured to pay: the CPU in bf16
         int8 = device.type == "cpu" and model.dtype == torch.bfloat16
@@ -505,7 +512,8 @@ def clover_generate(
         causal = (eye.new_ones(prompt_len, prompt_len).tril() & valid[:, None, :]) | eye
         mask = layout.build(positions[:, :0], positions, causal, dtype)
     with linear_forms([model], forms):
-        logits, hidden = _base_forward(model, input_ids, mask, positions.clamp(min=0), cache, logits_to_keep=1)
+        logits, hidden = _base_forward(model, input_ids, mask, positions.clamp(min=0), cache, logits_to_keep=1,
+                                       pre_norm=pre_norm)
     stats.steps += 1
     scores = logits_processor(input_ids, logits[:, -1])
     rows = []
@@ -585,7 +593,7 @@ def clover_generate(
                 mask = torch.ones(1, past_len + 1, dtype=torch.long, device=device)
             else:
                 mask = layout.build(positions, node_pos, allowed, dtype)
-            logits, hidden = _base_forward(model, ids, mask, node_pos, cache)
+            logits, hidden = _base_forward(model, ids, mask, node_pos, cache, pre_norm=pre_norm)
             stats.steps += 1
             clock.lap("verify forward")
             accepted = []

@@ -1,5 +1,6 @@
-"""Heads in other projects' layouts: Medusa-1 heads as FasterDecoding publishes them, read into ours; and
-Medusa heads written for vLLM's Medusa draft model.
+"""Heads in other projects' layouts: Medusa-1 heads as FasterDecoding publishes them and Clover-2's heads as
+its public code (XiaoBin1992/clover) saves them, read into ours; and Medusa heads written for vLLM's Medusa
+draft model.
 
 FasterDecoding's layout (its `medusa_model.py`, also read by TGI): `config.json` with `medusa_num_heads`,
 `medusa_num_layers` and `base_model_name_or_path`, and `medusa_lm_head.safetensors` holding, for head k,
@@ -23,6 +24,24 @@ from .heads import DraftHeads
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
 MEDUSA_PICKLE = "medusa_lm_head.pt"
 MEDUSA_FILES = [CONFIG_NAME, MEDUSA_WEIGHTS, "README.md"]
+CLOVER2_FILES = [CONFIG_NAME, "model.safetensors", "README.md"]
+# Clover-2's module names (clover2.py, Clover2Model) -> ours (heads.py, CloverHeads with output_head="linear").
+CLOVER2_NAMES = {
+    "clover_head_mlp_rnn.input_layernorm.weight": "input_decoder.norm.weight",
+    "clover_head_mlp_rnn2.input_layernorm.weight": "regressive.norm.weight",
+    **{f"clover_head_mlp_rnn{n}.{p}.{part}": f"{ours}.{p}_proj.{part}"
+       for n, ours in (("", "input_decoder"), ("2", "regressive")) for p in "qkv" for part in ("weight", "bias")},
+    "clover_norm.weight": "augment_norm.weight",
+    "clover_head_mlp.weight": "output.first.weight", "clover_head_mlp.bias": "output.first.bias",
+    "clover_head_mlp2.weight": "output.later.weight", "clover_head_mlp2.bias": "output.later.bias",
+    "clover_head_norm.weight": "output.norm.weight",
+}
+CLOVER2_LAYER_NAMES = {  # layers.{i}.<theirs> -> augment.{i}.<ours>: a Llama decoder layer
+    "input_layernorm.weight": "input_layernorm.weight", "post_attention_layernorm.weight": "post_attention_layernorm.weight",
+    **{f"self_attn.{p}_proj.weight": f"{p}_proj.weight" for p in "qkvo"},
+    **{f"mlp.{p}_proj.weight": f"{p}_proj.weight" for p in ("gate", "up", "down")},
+}
+CLOVER2_BASE_COPIES = ("lm_head.weight", "clover_embed_tokens.weight")  # the base's lm_head, frozen: read from the base
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -31,6 +50,47 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as err:
         raise ValueError(f"{path} is not a readable safetensors file: {err}") from None
+
+
+def is_clover2_config(data: Any) -> bool:
+    """Clover-2 saves its draft model's Llama config with a "clover" entry (num_heads, num_layers, ...)."""
+    return isinstance(data, dict) and isinstance(data.get("clover"), dict) and "hidden_size" in data
+
+
+def read_clover2(directory: str | Path, data: dict[str, Any]) -> tuple[CloverConfig, dict[str, torch.Tensor]]:
+    """The config and weights of Clover-2 heads (Clover2Model), named as our `CloverHeads` with Clover-2's
+    options name them: two Llama decoder layers over the base's states before its final norm, biased
+    Attention Decoders, linear output heads, tokens embedded by the lm_head's rows, the whole vocabulary.
+
+    Every tensor is used, but for the copies of the base's lm_head it holds (the heads read the base's own);
+    missing or extra ones are refused by name. Clover-2's config names no base: pass it when loading."""
+    clover = data["clover"]
+    if data.get("rope_scaling"):
+        raise ValueError(f"{directory}: Clover-2 heads with rope_scaling {data['rope_scaling']} are not supported "
+                         "(the Augmenting Block applies plain RoPE)")
+    layers = int(clover.get("num_layers", 2))
+    names = dict(CLOVER2_NAMES)
+    for i in range(layers):
+        names.update({f"layers.{i}.{theirs}": f"augment.{i}.{ours}" for theirs, ours in CLOVER2_LAYER_NAMES.items()})
+    weights = Path(directory) / "model.safetensors"
+    state = read_safetensors(weights)
+    missing = sorted(set(names) - set(state))
+    extra = sorted(set(state) - set(names) - set(CLOVER2_BASE_COPIES))
+    if missing or extra:
+        raise ValueError(f"{weights} is not laid out as Clover-2 heads with num_layers={layers}: "
+                         f"missing {missing[:6]}, extra {extra[:6]}")
+    hidden, heads = int(data["hidden_size"]), int(data["num_attention_heads"])
+    head_dim = data.get("head_dim") or hidden // heads
+    config = CloverConfig(
+        hidden_size=hidden, vocab_size=int(data["vocab_size"]), num_heads=int(clover["num_heads"]),
+        num_augment_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=int(data.get("num_key_value_heads") or heads),
+        head_dim=None if head_dim * heads == hidden else head_dim,
+        intermediate_size=int(data["intermediate_size"]), rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(data.get("rope_theta", 10000.0)), base_model_name_or_path=data.get("base_model_name_or_path"),
+        output_head="linear", head_input="pre_norm", decoder_bias=True, embed_from_lm_head=True,
+    )
+    return config, {ours: state[theirs] for theirs, ours in names.items()}
 
 
 def is_medusa_config(data: Any) -> bool:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -125,10 +127,12 @@ class AttentionDecoder(nn.Module):
         h = config.hidden_size
         self.n_heads = config.num_attention_heads
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.q_proj = nn.Linear(h, h, bias=False)
-        self.k_proj = nn.Linear(h, h, bias=False)
-        self.v_proj = nn.Linear(h, h, bias=False)
+        self.q_proj = nn.Linear(h, h, bias=config.decoder_bias)
+        self.k_proj = nn.Linear(h, h, bias=config.decoder_bias)
+        self.v_proj = nn.Linear(h, h, bias=config.decoder_bias)
         nn.init.zeros_(self.v_proj.weight)  # starts as the identity on h
+        if config.decoder_bias:
+            nn.init.zeros_(self.v_proj.bias)
 
     def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         shape = (*h.shape[:-1], self.n_heads, -1)
@@ -176,6 +180,17 @@ class LinearOutputHeads(nn.Module):
 
     def forward(self, i: int, s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         return self.norm(self.first(s) if i == 0 else self.later(torch.cat([s, e], dim=-1)))
+
+
+class LMHeadEmbedding(nn.Module):
+    """Token embeddings read from an lm_head's rows (Clover-2 embeds drafted tokens so); holds no weights of its own."""
+
+    def __init__(self, lm_head: nn.Module) -> None:
+        super().__init__()
+        self._lm_head = [lm_head]  # in a list: the base's module, not a submodule of this one
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self._lm_head[0].weight)
 
 
 @dataclass(frozen=True, eq=False)
@@ -270,6 +285,13 @@ class DraftHeads(nn.Module):
                 rows = DraftLMHead.quantized(rows, bias) if int8 else DraftLMHead(rows, bias)
             self._lm_head_rows = ([_watch(t) for t in sources], int8, rows)
         return self._lm_head_rows[2]
+
+    def token_embedding(self, base_model: nn.Module) -> nn.Module:
+        """How the heads embed tokens (the drafted ones, and those that follow each accepted position): the
+        base's input embeddings, or with `embed_from_lm_head` its lm_head's rows."""
+        if self.config.embed_from_lm_head:
+            return LMHeadEmbedding(base_model.get_output_embeddings())
+        return base_model.get_input_embeddings()
 
     def init_from_base(self, base_model: nn.Module, norms: bool = False) -> bool:
         """Copy what fits from the base into fresh heads; returns whether anything was copied."""
@@ -571,9 +593,32 @@ def _decoder(base_model: nn.Module) -> nn.Module | None:
     return getattr(base_model, "model", None) or getattr(base_model, "transformer", None)
 
 
+def final_norm(base_model: nn.Module) -> nn.Module | None:
+    """The base's norm after its last decoder layer (`norm` in Llama-style bases, `ln_f` in GPT-2's)."""
+    decoder = _decoder(base_model)
+    return next((m for m in (getattr(decoder, n, None) for n in ("norm", "ln_f", "final_layer_norm")) if m is not None),
+                None)
+
+
+@contextmanager
+def norm_inputs(base_model: nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Collects, for every forward inside, the input of the base's final norm: its last hidden states before
+    that norm (`head_input="pre_norm"`), which `output_hidden_states` does not return."""
+    norm = final_norm(base_model)
+    if norm is None:
+        raise ValueError(f"head_input='pre_norm' reads the input of the base's final norm, and {type(base_model).__name__} "
+                         "has none that clover-hf finds (norm, ln_f or final_layer_norm under its decoder)")
+    captured: list[torch.Tensor] = []
+    handle = norm.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
 def _final_norm(base_model: nn.Module) -> nn.Module | None:
-    """The base's norm after its last decoder layer, where it is an RMSNorm (the heads' kind of norm)."""
-    norm = getattr(_decoder(base_model), "norm", None)
+    """The base's final norm where it is an RMSNorm (the heads' kind of norm)."""
+    norm = final_norm(base_model)
     return norm if norm is not None and "RMSNorm" in type(norm).__name__ else None
 
 

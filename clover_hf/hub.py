@@ -20,7 +20,16 @@ from huggingface_hub.errors import (
 from safetensors.torch import save_file
 
 from .config import CONFIG_NAME, WEIGHTS_NAME, CloverConfig
-from .formats import MEDUSA_FILES, MEDUSA_WEIGHTS, is_medusa_config, read_medusa, read_safetensors
+from .formats import (
+    CLOVER2_FILES,
+    MEDUSA_FILES,
+    MEDUSA_WEIGHTS,
+    is_clover2_config,
+    is_medusa_config,
+    read_clover2,
+    read_medusa,
+    read_safetensors,
+)
 from .heads import DraftHeads, build_heads
 
 HEADS_FILES = [CONFIG_NAME, WEIGHTS_NAME, "README.md"]
@@ -36,17 +45,19 @@ def _config_data(path: str | Path) -> dict | None:
 
 def heads_files(path: str | Path) -> list[str] | None:
     """The files of the heads in a directory, by the layout its config names: Clover's (model_type
-    'clover') or Medusa's (medusa_num_heads); None if it holds no heads config."""
+    'clover'), Clover-2's (a "clover" entry) or Medusa's (medusa_num_heads); None if it holds no heads config."""
     data = _config_data(path)
     if data is None:
         return None
     if data.get("model_type") == "clover":
         return HEADS_FILES
+    if is_clover2_config(data):
+        return CLOVER2_FILES
     return MEDUSA_FILES if is_medusa_config(data) else None
 
 
 def is_heads_dir(path: str | Path) -> bool:
-    """Whether a local directory holds heads: a Clover config, or a Medusa one in FasterDecoding's layout."""
+    """Whether a local directory holds heads: a Clover config, Clover-2's, or Medusa's in FasterDecoding's layout."""
     return heads_files(path) is not None
 
 
@@ -117,6 +128,9 @@ def load_heads(directory: str | Path, device: torch.device | str = "cpu", dtype:
     if is_medusa_config(data):
         config, state = read_medusa(directory, data)
         weights = directory / MEDUSA_WEIGHTS
+    elif is_clover2_config(data):
+        config, state = read_clover2(directory, data)
+        weights = directory / WEIGHTS_NAME
     else:
         config = CloverConfig.load(directory)
         weights = directory / WEIGHTS_NAME

@@ -165,8 +165,8 @@ class CloverForCausalLM(nn.Module):
                                   force_download=base_kwargs.get("force_download", False))
         if not is_heads_dir(heads_dir):
             raise ValueError(
-                f"'{heads_ref}' holds no Clover heads config ({heads_dir}/config.json with model_type 'clover', or "
-                "Medusa's with medusa_num_heads). To load a base model with heads use "
+                f"'{heads_ref}' holds no Clover heads config ({heads_dir}/config.json with model_type 'clover', "
+                "Clover-2's with a 'clover' entry, or Medusa's with medusa_num_heads). To load a base model with heads use "
                 "from_pretrained(base, clover_heads=heads)."
             )
         heads = load_heads(heads_dir)

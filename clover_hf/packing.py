@@ -15,7 +15,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .features import Example
+
+
+@dataclass
+class Example:
+    """A tokenized training sequence."""
+
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 where the token is one the heads should learn to draft (assistant text)
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:

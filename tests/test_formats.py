@@ -176,3 +176,154 @@ def test_only_medusa_heads_export_to_vllm(tmp_path):
     medusa = random_heads(tiny_model("llama"), seed=1, head_type="medusa")[0]
     with pytest.raises(ValueError, match="--base-model"):
         export_vllm_medusa(medusa.clover_heads, tmp_path)
+
+
+CLOVER2_REPO = "org/tiny-clover2"
+
+
+def clover2_checkpoint(directory, base, heads: int = 3, layers: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Clover-2's layout (its clover2.py / main_clover2.py): the draft's Llama config with a "clover" entry, and
+    model.safetensors with its module names, random weights, and its frozen copies of the base's lm_head."""
+    from clover_hf.formats import CLOVER2_LAYER_NAMES, CLOVER2_NAMES
+
+    g = torch.Generator().manual_seed(seed)
+    cfg = base.config
+    H, I, kv = cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    shapes = {"q_proj.weight": (H, H), "k_proj.weight": (kv, H), "v_proj.weight": (kv, H), "o_proj.weight": (H, H),
+              "gate_proj.weight": (I, H), "up_proj.weight": (I, H), "down_proj.weight": (H, I)}
+    state = {}
+    for theirs in CLOVER2_NAMES:
+        if theirs.endswith("norm.weight"):
+            state[theirs] = 1 + 0.1 * torch.randn(H, generator=g)
+        elif theirs.startswith("clover_head_mlp2.weight"):
+            state[theirs] = torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5
+        elif theirs.endswith(".weight"):
+            state[theirs] = torch.randn(H, H, generator=g) / H**0.5
+        else:
+            state[theirs] = 0.1 * torch.randn(H, generator=g)
+    for i in range(layers):
+        for theirs in CLOVER2_LAYER_NAMES:
+            shape = (H,) if "layernorm" in theirs else shapes[theirs.split(".", 1)[1]]
+            scale = 0.1 if "layernorm" in theirs else shape[-1] ** -0.5
+            state[f"layers.{i}.{theirs}"] = (1 if "layernorm" in theirs else 0) + scale * torch.randn(*shape, generator=g)
+    lm = base.get_output_embeddings().weight.detach().clone()
+    state["lm_head.weight"], state["clover_embed_tokens.weight"] = lm, lm.clone()
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(directory / "model.safetensors"))
+    config = {k: v for k, v in cfg.to_dict().items() if k != "_name_or_path"}
+    config.update(num_hidden_layers=1, clover={"num_heads": heads, "num_layers": layers, "heads_coefficient": 1.0,
+                                               "decay_coefficient": 0.7})
+    (directory / "config.json").write_text(json.dumps(config))
+    return state
+
+
+def _clover2_reference(state, base, ids: torch.Tensor, heads: int) -> list[torch.Tensor]:
+    """Clover-2's teacher-forced logits per head, computed with transformers' own Llama layers from the file's
+    tensors: Attention Decoder on the base's states before its final norm and the next token's lm_head row,
+    the decoder layers (causal), norm; head 0 norm(W0 x), head i norm(W [x_i; e]) after the shared decoder."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+    from clover_hf.heads import norm_inputs
+
+    cfg = base.config
+    with torch.no_grad(), norm_inputs(base) as captured:
+        base(ids)
+    h = captured[-1][0]  # (T, H) before the final norm
+    lm = state["lm_head.weight"]
+    emb = lm[ids[0]]  # Clover-2 embeds with the lm_head's rows
+    nh = cfg.num_attention_heads
+
+    def rms(x, w):
+        norm = LlamaRMSNorm(x.shape[-1], eps=cfg.rms_norm_eps)
+        norm.weight.data = w
+        return norm(x)
+
+    def decoder(x, y, name):
+        q = F.linear(rms(x, state[f"{name}.input_layernorm.weight"]), state[f"{name}.q.weight"], state[f"{name}.q.bias"])
+        k = F.linear(y, state[f"{name}.k.weight"], state[f"{name}.k.bias"])
+        v = F.linear(y, state[f"{name}.v.weight"], state[f"{name}.v.bias"])
+        gate = F.cosine_similarity(q.view(*q.shape[:-1], nh, -1), k.view(*k.shape[:-1], nh, -1), dim=-1)
+        return x + (v.view(*v.shape[:-1], nh, -1) * gate[..., None]).flatten(-2)
+
+    with torch.no_grad():
+        x = decoder(h[:-1], emb[1:], "clover_head_mlp_rnn")[None]  # (1, T-1, H)
+        T = x.shape[1]
+        positions = torch.arange(T)[None]
+        rope = LlamaRotaryEmbedding(cfg)(x, positions)
+        mask = torch.full((T, T), torch.finfo(x.dtype).min).triu(1)[None, None]
+        for i in range(2):
+            layer = LlamaDecoderLayer(cfg, layer_idx=i)
+            layer.load_state_dict({k.split(".", 2)[2]: v for k, v in state.items() if k.startswith(f"layers.{i}.")})
+            x = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rope)
+            x = x[0] if isinstance(x, tuple) else x
+        x = rms(x, state["clover_norm.weight"])[0]
+        out = []
+        for i in range(heads):
+            L = T - i
+            e = emb[1 + i : 1 + i + L]
+            if i == 0:
+                y = F.linear(x[:L], state["clover_head_mlp.weight"], state["clover_head_mlp.bias"])
+            else:
+                x = decoder(x[:L], e, "clover_head_mlp_rnn2")
+                y = F.linear(torch.cat([x, e], -1), state["clover_head_mlp2.weight"], state["clover_head_mlp2.bias"])
+            out.append(rms(y, state["clover_head_norm.weight"]) @ lm.T)
+    return out
+
+
+def test_clover2_checkpoint_uses_every_tensor_and_drafts_as_clover2_defines(tmp_path):
+    base = tiny_model("llama")
+    base.config._attn_implementation = "eager"
+    state = clover2_checkpoint(tmp_path, base)
+    heads = load_heads(tmp_path)
+    config = heads.config
+    assert (config.head_input, config.decoder_bias, config.embed_from_lm_head, config.output_head) == \
+        ("pre_norm", True, True, "linear")
+    assert config.num_augment_layers == 2 and config.num_heads == 3 and config.draft_vocab_size is None
+    # every tensor of the file but the base's lm_head copies went into the heads, each unchanged
+    ours = heads.state_dict()
+    from clover_hf.formats import CLOVER2_BASE_COPIES
+
+    used = [k for k in state if k not in CLOVER2_BASE_COPIES]
+    assert len(used) == len(ours) and sorted(v.sum().item() for v in ours.values()) == \
+        pytest.approx(sorted(state[k].sum().item() for k in used))
+    ids = prompt(4, 12)
+    want = _clover2_reference(state, base, ids, heads=3)
+    from clover_hf.heads import norm_inputs
+
+    with torch.no_grad(), norm_inputs(base) as captured:
+        base(ids)
+        embed = heads.token_embedding(base)
+        got = heads(captured[-1][:, :-1], embed(ids[:, 1:]))
+    for i, (g, w) in enumerate(zip(got, want)):
+        rows = heads.draft_lm_head(base.get_output_embeddings())
+        torch.testing.assert_close(rows(g[0]), w[: g.shape[1]], rtol=1e-4, atol=1e-4, msg=f"head {i}")
+
+
+def test_clover2_repo_from_the_hub_decodes_exactly(hub_server, tmp_path):
+    base = push_base()
+    clover2_checkpoint(tmp_path / "c2", base)
+    create_repo(CLOVER2_REPO)
+    upload_folder(repo_id=CLOVER2_REPO, folder_path=str(tmp_path / "c2"))
+    with pytest.raises(ValueError, match="names no base model"):
+        CloverForCausalLM.from_pretrained(CLOVER2_REPO)
+    with pytest.MonkeyPatch.context() as patch:
+        forbid_pickle(patch)
+        clover = CloverForCausalLM.from_pretrained(CLOVER2_REPO, base_model=BASE_REPO)
+    for seed in (1, 2):
+        ids = prompt(seed)
+        want = base.generate(ids, max_new_tokens=30, do_sample=False)
+        for budget in ("full", "auto"):
+            assert torch.equal(clover.generate(ids, max_new_tokens=30, do_sample=False, budget=budget), want)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda s: s.pop("clover_head_mlp2.bias"), "missing \\['clover_head_mlp2.bias'\\]"),
+    (lambda s: s.update({"layers.2.mlp.up_proj.weight": s["layers.0.mlp.up_proj.weight"].clone()}),
+     "extra \\['layers.2.mlp.up_proj.weight'\\]"),
+])
+def test_a_clover2_layout_that_cannot_be_mapped_is_refused(tmp_path, change, words):
+    state = clover2_checkpoint(tmp_path, tiny_model("llama"))
+    change(state)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=words):
+        load_heads(tmp_path)

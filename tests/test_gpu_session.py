@@ -51,6 +51,7 @@ def test_gpu_session_end_to_end_on_cpu(tmp_path, capsys):
 
     clover_cfg = json.loads((work / "clover" / "heads" / "config.json").read_text())
     assert clover_cfg["num_augment_layers"] == 2 and clover_cfg["output_head"] == "linear"
+    assert clover_cfg["head_input"] == "pre_norm" and clover_cfg["decoder_bias"]
     medusa_cfg = json.loads((work / "medusa" / "heads" / "config.json").read_text())
     assert medusa_cfg["head_type"] == "medusa" and medusa_cfg["own_lm_heads"]
     for name in ("clover", "medusa"):  # same data and tokens for both

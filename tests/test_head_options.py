@@ -207,3 +207,64 @@ def test_medusa_heads_of_several_blocks_decode_exactly_and_read_one_block_heads(
         assert torch.equal(again.state_dict()[name], tensor), name
     with pytest.raises(ValueError, match="medusa_num_layers"):
         CloverConfig(hidden_size=64, vocab_size=256, medusa_num_layers=2)
+
+
+CLOVER2_OPTIONS = dict(head_input="pre_norm", decoder_bias=True, embed_from_lm_head=True, output_head="linear",
+                       num_augment_layers=2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text", "gpt2"])
+def test_clover2_input_options_decode_exactly(arch):
+    """The heads read the base's states before its final norm, embed tokens with the lm_head's rows and have
+    biased decoders (Clover-2's code): greedy output is still the base's, token for token."""
+    base = tiny_model(arch)
+    if arch == "gpt2":  # an untied lm_head, so the lm_head's rows are not the input embeddings
+        base.lm_head.weight = torch.nn.Parameter(torch.randn_like(base.lm_head.weight) * 0.02)
+    clover = random_heads(base, seed=2, **CLOVER2_OPTIONS)[0]
+    for seed in (1, 2):
+        ids = prompt(seed)
+        for budget in ("full", "auto"):
+            assert same(clover.generate(ids, max_new_tokens=30, do_sample=False, budget=budget),
+                        base.generate(ids, max_new_tokens=30, do_sample=False))
+
+
+def test_pre_norm_heads_read_the_final_norms_input_and_lm_head_rows():
+    """What decoding hands the heads: the input of the base's final norm, and tokens embedded by lm_head rows."""
+    from clover_hf.decoding import _base_forward
+    from clover_hf.heads import norm_inputs
+
+    base = tiny_model("llama")
+    ids = prompt(3)
+    with torch.no_grad():
+        out = base(ids, output_hidden_states=True)
+        _, pre = _base_forward(base, ids, None, None, None, pre_norm=True)
+        _, post = _base_forward(base, ids, None, None, None)
+    torch.testing.assert_close(post, out.hidden_states[-1])
+    torch.testing.assert_close(base.model.norm(pre), post)
+    assert not torch.allclose(pre, post)
+    heads = CloverHeads(CloverConfig.for_base(base.config, embed_from_lm_head=True))
+    base.lm_head.weight = torch.nn.Parameter(torch.randn_like(base.lm_head.weight))  # untie
+    assert torch.equal(heads.token_embedding(base)(ids), base.lm_head.weight[ids])
+    assert not torch.equal(heads.token_embedding(base)(ids), base.get_input_embeddings()(ids))
+    with pytest.raises(ValueError, match="final norm"):
+        with norm_inputs(torch.nn.Linear(2, 2)):
+            pass
+
+
+def test_pre_norm_heads_train_online_only(tmp_path):
+    from clover_hf.packing import PackedRows
+
+    base = tiny_model("llama").requires_grad_(False)
+    clover = CloverForCausalLM.from_base(base, num_heads=2, draft_vocab_size=64, **CLOVER2_OPTIONS)
+    rows = PackedRows.pack([Example(prompt(i, 12)[0].tolist(), [1] * 12) for i in range(6)], 24, 0)
+    config = TrainConfig(output_dir=str(tmp_path / "o"), max_steps=6, batch_size=2, eval_fraction=0, save_every=100,
+                         eval_every=0, warmup_steps=1, labels="full")
+    trainer = Trainer(config, clover.clover_heads, base, rows, top_k=4)
+    batch = trainer._device_batch([0, 1])
+    torch.testing.assert_close(base.model.norm(batch["inputs"]), batch["hidden"], rtol=1e-4, atol=1e-5)
+    first, _ = trainer._losses(batch)
+    trainer.train(log=lambda *_: None)
+    assert trainer._losses(batch)[0].item() < first.item()
+    cache_features(base, [Example(prompt(1, 12)[0].tolist(), [1] * 12)], tmp_path / "f", top_k=4)
+    with pytest.raises(ValueError, match="--online"):
+        Trainer(config, clover.clover_heads, base, FeatureSet.load(tmp_path / "f"))
