@@ -79,18 +79,6 @@ def test_medusa_checkpoint_drafts_what_medusa_1_defines(tmp_path):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("change, words", [
-    (lambda s: s.update({"3.0.linear.weight": s["0.0.linear.weight"].clone()}), "extra \\['3.0.linear.weight'\\]"),
-    (lambda s: s.pop("1.2.weight"), "missing \\['1.2.weight'\\]"),
-])
-def test_a_medusa_file_that_does_not_fit_its_config_is_refused(tmp_path, change, words):
-    state = medusa_checkpoint(tmp_path, tiny_model("llama"))
-    change(state)
-    save_file(state, str(tmp_path / "medusa_lm_head.safetensors"))
-    with pytest.raises(ValueError, match=words):
-        load_heads(tmp_path)
-
-
 def test_pickle_only_medusa_repo_is_refused_with_how_to_convert(hub_server, tmp_path):
     base = push_base()
     medusa_checkpoint(tmp_path / "m", base)
@@ -316,14 +304,18 @@ def test_clover2_repo_from_the_hub_decodes_exactly(hub_server, tmp_path):
             assert torch.equal(clover.generate(ids, max_new_tokens=30, do_sample=False, budget=budget), want)
 
 
-@pytest.mark.parametrize("change, words", [
-    (lambda s: s.pop("clover_head_mlp2.bias"), "missing \\['clover_head_mlp2.bias'\\]"),
-    (lambda s: s.update({"layers.2.mlp.up_proj.weight": s["layers.0.mlp.up_proj.weight"].clone()}),
+@pytest.mark.parametrize("layout, change, words", [
+    ("medusa", lambda s: s.update({"3.0.linear.weight": s["0.0.linear.weight"].clone()}), "extra \\['3.0.linear.weight'\\]"),
+    ("medusa", lambda s: s.pop("1.2.weight"), "missing \\['1.2.weight'\\]"),
+    ("clover2", lambda s: s.pop("clover_head_mlp2.bias"), "missing \\['clover_head_mlp2.bias'\\]"),
+    ("clover2", lambda s: s.update({"layers.2.mlp.up_proj.weight": s["layers.0.mlp.up_proj.weight"].clone()}),
      "extra \\['layers.2.mlp.up_proj.weight'\\]"),
 ])
-def test_a_clover2_layout_that_cannot_be_mapped_is_refused(tmp_path, change, words):
-    state = clover2_checkpoint(tmp_path, tiny_model("llama"))
+def test_a_file_that_does_not_fit_its_layout_is_refused_naming_the_keys(tmp_path, layout, change, words):
+    build, name = {"medusa": (medusa_checkpoint, "medusa_lm_head.safetensors"),
+                   "clover2": (clover2_checkpoint, "model.safetensors")}[layout]
+    state = build(tmp_path, tiny_model("llama"))
     change(state)
-    save_file(state, str(tmp_path / "model.safetensors"))
+    save_file(state, str(tmp_path / name))
     with pytest.raises(ValueError, match=words):
         load_heads(tmp_path)
