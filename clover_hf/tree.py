@@ -14,7 +14,28 @@ from itertools import accumulate
 
 import torch
 
-from .config import validate_tree
+
+def validate_tree(tree: list[list[int]], num_heads: int) -> list[list[int]]:
+    """Check a tree in the Medusa path format and return it as a sorted list of lists.
+
+    Every path's parent (the path without its last rank) must also be in the tree, so the tree is
+    closed under prefixes, and no path may be deeper than the number of heads that draft it.
+    """
+    if not tree:
+        raise ValueError("tree must hold at least one path, e.g. [[0], [0, 0]]")
+    paths = sorted({tuple(int(r) for r in p) for p in tree}, key=lambda p: (len(p), p))
+    known = set(paths)
+    for p in paths:
+        if len(p) == 0 or any(r < 0 for r in p):
+            raise ValueError(f"tree path {list(p)} must be a non-empty list of ranks >= 0")
+        if len(p) > num_heads:
+            raise ValueError(
+                f"tree path {list(p)} has depth {len(p)} but the heads draft only {num_heads} tokens; "
+                f"use paths of at most {num_heads} ranks or train more heads"
+            )
+        if len(p) > 1 and p[:-1] not in known:
+            raise ValueError(f"tree path {list(p)} has no parent {list(p[:-1])} in the tree")
+    return [list(p) for p in paths]
 
 
 @dataclass(frozen=True)
