@@ -1,5 +1,5 @@
 """Saving and loading heads: a local directory or a Hub repo holding `config.json` + `model.safetensors`
-(or Medusa heads in FasterDecoding's layout, `formats.py`)."""
+(or heads in Clover-2's or FasterDecoding's Medusa layout, read by `formats.py`)."""
 
 from __future__ import annotations
 
