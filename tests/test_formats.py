@@ -21,7 +21,8 @@ pytestmark = pytest.mark.usefixtures("no_network")
 MEDUSA_REPO = "org/tiny-medusa"
 
 
-def medusa_checkpoint(directory, base, heads: int = 3, layers: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
+def medusa_checkpoint(directory, base, heads: int = 3, layers: int = 2, seed: int = 0, base_name: str = BASE_REPO,
+                      dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """FasterDecoding's layout, with random blocks and projections near the base's lm_head."""
     g = torch.Generator().manual_seed(seed)
     H, V = base.config.hidden_size, base.config.vocab_size
@@ -32,10 +33,11 @@ def medusa_checkpoint(directory, base, heads: int = 3, layers: int = 2, seed: in
             state[f"{k}.{j}.linear.weight"] = torch.randn(H, H, generator=g) * 0.05
             state[f"{k}.{j}.linear.bias"] = torch.randn(H, generator=g) * 0.05
         state[f"{k}.{layers}.weight"] = lm + torch.randn(V, H, generator=g) * 0.01
+    state = {k: v.to(dtype) for k, v in state.items()}
     directory.mkdir(parents=True, exist_ok=True)
     save_file(state, str(directory / "medusa_lm_head.safetensors"))
     (directory / "config.json").write_text(json.dumps({
-        "medusa_num_heads": heads, "medusa_num_layers": layers, "base_model_name_or_path": BASE_REPO,
+        "medusa_num_heads": heads, "medusa_num_layers": layers, "base_model_name_or_path": base_name,
         "transformers_version": "4.33.0"}))
     return state
 
@@ -169,9 +171,11 @@ def test_only_medusa_heads_export_to_vllm(tmp_path):
 CLOVER2_REPO = "org/tiny-clover2"
 
 
-def clover2_checkpoint(directory, base, heads: int = 3, layers: int = 2, seed: int = 0) -> dict[str, torch.Tensor]:
+def clover2_checkpoint(directory, base, heads: int = 3, layers: int = 2, seed: int = 0, lm_copies: bool = True,
+                       dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Clover-2's layout (its clover2.py / main_clover2.py): the draft's Llama config with a "clover" entry, and
-    model.safetensors with its module names, random weights, and its frozen copies of the base's lm_head."""
+    model.safetensors with its module names, random weights, and (`lm_copies`) its frozen copies of the base's
+    lm_head."""
     from clover_hf.formats import CLOVER2_LAYER_NAMES, CLOVER2_NAMES
 
     g = torch.Generator().manual_seed(seed)
@@ -194,8 +198,10 @@ def clover2_checkpoint(directory, base, heads: int = 3, layers: int = 2, seed: i
             shape = (H,) if "layernorm" in theirs else shapes[theirs.split(".", 1)[1]]
             scale = 0.1 if "layernorm" in theirs else shape[-1] ** -0.5
             state[f"layers.{i}.{theirs}"] = (1 if "layernorm" in theirs else 0) + scale * torch.randn(*shape, generator=g)
-    lm = base.get_output_embeddings().weight.detach().clone()
-    state["lm_head.weight"], state["clover_embed_tokens.weight"] = lm, lm.clone()
+    if lm_copies:
+        lm = base.get_output_embeddings().weight.detach().clone()
+        state["lm_head.weight"], state["clover_embed_tokens.weight"] = lm, lm.clone()
+    state = {k: v.to(dtype) for k, v in state.items()}
     directory.mkdir(parents=True, exist_ok=True)
     save_file(state, str(directory / "model.safetensors"))
     config = {k: v for k, v in cfg.to_dict().items() if k != "_name_or_path"}

@@ -5,8 +5,10 @@ the README. The embedded SmolLM2-135M-Instruct is converted once per test sessio
 reuses a conversion) and put where `load_default()` finds it.
 
 A block whose first line is `# needs: hub` runs against the local test Hub (tests/hub_server.py), which
-then holds what such blocks name: the embedded base as `HuggingFaceTB/SmolLM2-135M-Instruct` and the
-shipped heads, whose config names that base, as `your-name/SmolLM2-135M-Instruct-clover`. No block may
+then holds what such blocks name: the embedded base as `HuggingFaceTB/SmolLM2-135M-Instruct`, the
+shipped heads, whose config names that base, as `your-name/SmolLM2-135M-Instruct-clover`, and heads for
+that base in the layouts of Medusa (FasterDecoding's) and Clover-2, with random weights, as
+`your-name/SmolLM2-135M-Instruct-medusa` and `your-name/clover-2-SmolLM2-135M-Instruct`. No block may
 reach the network.
 """
 
@@ -28,6 +30,7 @@ from .hub_server import HubServer
 README = Path(__file__).resolve().parents[1] / "README.md"
 HUB_MARK = "# needs: hub"
 HEADS_REPO = "your-name/SmolLM2-135M-Instruct-clover"  # the heads repo the README's Hub blocks name
+MEDUSA_REPO, CLOVER2_REPO = "your-name/SmolLM2-135M-Instruct-medusa", "your-name/clover-2-SmolLM2-135M-Instruct"
 
 
 def python_blocks(text: str) -> list[tuple[int, str]]:
@@ -63,12 +66,29 @@ def embedded_base(cache_root) -> Path:
 
 
 @pytest.fixture
-def readme_hub(hub_server, embedded_base) -> HubServer:
+def readme_hub(hub_server, embedded_base, other_layouts) -> HubServer:
     """The test Hub holding the base and the heads that the README's Hub blocks load."""
     hub_server.seed(DEFAULT_BASE_NAME, embedded_base, "upload the base model")  # larger than one upload request
     create_repo(HEADS_REPO)
     upload_folder(repo_id=HEADS_REPO, folder_path=shipped_heads_path(), allow_patterns=HEADS_FILES)
+    hub_server.seed(MEDUSA_REPO, other_layouts / "medusa", "Medusa heads in FasterDecoding's layout")
+    hub_server.seed(CLOVER2_REPO, other_layouts / "clover2", "Clover-2 heads")
     return hub_server
+
+
+@pytest.fixture(scope="session")
+def other_layouts(embedded_base, tmp_path_factory) -> Path:
+    """Heads for the embedded base in Medusa's (FasterDecoding) and Clover-2's layouts, random weights, bf16."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .test_formats import clover2_checkpoint, medusa_checkpoint
+
+    root = tmp_path_factory.mktemp("layouts")
+    base = AutoModelForCausalLM.from_pretrained(embedded_base, dtype=torch.float32)
+    medusa_checkpoint(root / "medusa", base, heads=2, layers=1, base_name=DEFAULT_BASE_NAME, dtype=torch.bfloat16)
+    clover2_checkpoint(root / "clover2", base, heads=4, layers=2, lm_copies=False, dtype=torch.bfloat16)
+    return root
 
 
 @pytest.mark.usefixtures("no_network")
