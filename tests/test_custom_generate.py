@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from huggingface_hub import create_repo, list_repo_files, upload_folder
+from huggingface_hub import list_repo_files
 
 from clover_hf import CloverForCausalLM
 from clover_hf.cli import main as cli_main

@@ -8,16 +8,15 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from clover_hf import CloverForCausalLM
 from clover_hf.cli import main as cli_main
 from clover_hf.features import Example, base_targets, tokenize_records
 from clover_hf.packing import PackedRows, document_ids
-from clover_hf.training import STOPPED_EXIT_CODE, Trainer, TrainConfig, head_losses, lr_lambda
+from clover_hf.training import STOPPED_EXIT_CODE, Trainer, TrainConfig, lr_lambda
 
 from .test_training import _args, _chats
-from .tiny import ARCHS, byte_tokenizer, prompt, save_tiny_base, tiny_model
+from .tiny import prompt, save_tiny_base, tiny_model
 
 
 @pytest.fixture(scope="module")
