@@ -19,13 +19,14 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, MaxLengthCriteria, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .budget import CATCH_UP_STEPS, CostModel, DraftBudget, choose_width, cost_key, likeliest, path_chances, prune
+from .budget import CATCH_UP_STEPS, CostModel, DraftBudget, choose_width, cost_key, likeliest, path_chances
 from .cache import compact_cache, new_cache, select_rows, select_slots
+from .drafting import Draft, draft_rows, shallower, stack_trees, static_trees, tree_spec
 from .hardware import timed
-from .heads import AugmentCache, DraftHeads, DraftLMHead, norm_inputs
+from .heads import AugmentCache, DraftHeads, norm_inputs
 from .linears import LinearForms, faster_forms, linear_forms
 from .lookup import NgramIndex
-from .tree import DynamicTree, StepTree, TreeBuffers, build_tree, select_dynamic, with_chain
+from .tree import DynamicTree
 from .verification import MaskLayout, accept_greedy, accept_sampled, process_tree_logits, sample_token
 
 
@@ -155,167 +156,8 @@ class _Row:
         default_factory=lambda: deque(maxlen=CATCH_UP_STEPS))
 
 
-@dataclass
-class _Draft:
-    """One row's tree to verify: node tokens (N,) root first, their tree, and for the draft budget the
-    heads' probability of each node (N,) and which nodes are the lookup chain's (N,) (found by an
-    `ngram`-token match). `host`: the budget's copy of (depths, parents, probs, is_chain) as lists."""
-
-    tokens: torch.Tensor
-    tree: TreeBuffers | StepTree
-    probs: torch.Tensor
-    is_chain: torch.Tensor
-    ngram: int
-    host: tuple[list[int], list[int], list[float], list[bool]] | None = None
-
-    def on_host(self) -> tuple[list[int], list[int], list[float], list[bool]]:
-        """(depths, parents, probs, is_chain) as lists, read in one transfer (the step's one host sync)."""
-        if self.host is None:
-            t = self.tree
-            depths, parents, probs, chain = torch.stack(  # float32: exact for node counts, and MPS has no float64
-                [t.depths.float(), t.parents.float(), self.probs.float(), self.is_chain.float()]).tolist()
-            self.host = ([int(d) for d in depths], [int(p) for p in parents], probs, [c > 0 for c in chain])
-        return self.host
-
-    def keep(self, nodes: list[int]) -> "_Draft":
-        """The draft cut to `nodes` (sorted, root first, closed under parents)."""
-        depths, parents, probs, is_chain = self.on_host()
-        kept_parents, kept_depths = prune(parents, depths, nodes)
-        index, parents_t, depths_t = torch.tensor([nodes, kept_parents, kept_depths], device=self.tokens.device)
-        tree = StepTree.from_parents(parents_t, depths_t, max(kept_depths))
-        host = (kept_depths, kept_parents, [probs[i] for i in nodes], [is_chain[i] for i in nodes])
-        return _Draft(self.tokens[index], tree, self.probs[index], self.is_chain[index], self.ngram, host)
-
-    def root_only(self) -> "_Draft":
-        """The draft cut to its root: a plain decoding step (its one-node tree is built once)."""
-        tree, _ = _chain_shape(1, self.tokens.device)
-        return _Draft(self.tokens[:1], tree, self.probs[:1], self.is_chain[:1], self.ngram, ([0], [0], [1.0], [False]))
-
-
-def _catch_up(heads: DraftHeads, row: _Row) -> int:
-    """Run the heads' features (the Augmenting Block) over the positions accepted since they last
-    drafted: steps that verify without the heads defer this work to the next step that drafts.
-    Returns how many positions it ran."""
-    if not row.pending:
-        return 0
-    hidden, embeds, positions = (torch.cat(parts, dim=1) for parts in zip(*row.pending))
-    features, row.aug_cache = heads.features(hidden, embeds, positions, cache=row.aug_cache)
-    row.feature = features[0, -1]
-    row.pending.clear()
-    return positions.shape[1]
-
-
-def _stack_trees(drafts: list[_Draft], rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One (B, N) forward's tokens, positions and (B, N, N) attention among new tokens.
-
-    Smaller trees are padded with filler nodes that only see themselves and are never accepted.
-    """
-    if len(drafts) == 1:
-        tokens, tree = drafts[0].tokens, drafts[0].tree
-        return tokens[None], (rows[0].next_pos + tree.depths)[None], tree.ancestors[None]
-    width = max(d.tokens.shape[0] for d in drafts)
-    device = rows[0].next_pos.device
-    ids = torch.stack([row.root.expand(width) for row in rows]).clone()
-    positions = torch.stack([row.next_pos.expand(width) for row in rows]).clone()
-    allowed = torch.eye(width, dtype=torch.bool, device=device).repeat(len(rows), 1, 1)
-    for b, (draft, row) in enumerate(zip(drafts, rows)):
-        n = draft.tokens.shape[0]
-        ids[b, :n] = draft.tokens
-        positions[b, :n] = row.next_pos + draft.tree.depths
-        allowed[b, :n, :n] = draft.tree.ancestors
-    return ids, positions, allowed
-
-
-def _tree_spec(tree: list[list[int]] | DynamicTree | dict | None, config, device: torch.device, batch: int
-               ) -> list[list[int]] | DynamicTree:
-    """The tree to draft: the caller's, else the heads' tree for this device and batch size."""
-    if tree is None and device.type != "cpu" and batch == 1 and config.accelerator_dynamic_tree is not None:
-        tree = config.accelerator_dynamic_tree
-    if tree is None:
-        tree = config.dynamic_tree if config.dynamic_tree is not None else config.tree
-    return DynamicTree(**tree) if isinstance(tree, dict) else tree
-
-
-def _draft_tree(heads: DraftHeads, feature, root, spec, trees, chain, ngram: int, embed, lm_head: DraftLMHead
-                ) -> _Draft:
-    """This step's tree drafted by the heads, with the lookup chain below its root."""
-    if trees is not None:
-        drafted, probs = heads.draft(feature, root, trees[0], embed, lm_head)
-        tree = trees[chain.shape[0]]
-        node_probs = probs.new_ones(tree.num_nodes)
-        node_probs[tree.draft_nodes] = probs
-        is_chain = torch.zeros(tree.num_nodes, dtype=torch.bool, device=root.device)
-        is_chain[tree.lookup_nodes] = True
-        return _Draft(tree.assemble(root, drafted, chain), tree, node_probs, is_chain, ngram)
-    tokens, parents, depths, scores = heads.draft_dynamic(feature, root, spec.depth, spec.width, embed, lm_head)
-    probs = (scores - torch.cat([scores.new_zeros(1), scores])[parents]).exp()  # each node's own, given its parent
-    drafted, parents, depths, probs = select_dynamic(tokens, parents, depths, scores, spec.nodes, probs)
-    zero = parents.new_zeros(1)
-    tokens, parents, depths = torch.cat([root.view(1), drafted]), torch.cat([zero, parents]), torch.cat([zero, depths])
-    probs = torch.cat([probs.new_ones(1), probs])
-    is_chain = torch.zeros_like(tokens, dtype=torch.bool)
-    if chain.numel():
-        tokens, parents, depths, probs, is_chain = with_chain(
-            tokens, parents, depths, chain, (probs, probs.new_ones(chain.shape[0])),
-            (is_chain, torch.ones_like(chain, dtype=torch.bool)))
-    return _Draft(tokens, StepTree.from_parents(parents, depths, max(spec.depth, chain.shape[0])), probs, is_chain, ngram)
-
-
-def _static_trees(paths, device: torch.device | str, lookup_max: int, depth: int | None) -> list[TreeBuffers]:
-    """The static tree (cut to `depth` levels, when given) compiled for each chain length 0..lookup_max."""
-    return _compiled_trees(tuple(tuple(p) for p in paths), str(device), lookup_max, depth)
-
-
-@functools.lru_cache(maxsize=64)
-def _compiled_trees(paths: tuple[tuple[int, ...], ...], device: str, lookup_max: int, depth: int | None
-                    ) -> list[TreeBuffers]:
-    cut = [list(p) for p in paths if depth is None or len(p) <= depth]
-    return [build_tree(cut, device, lookup=m) for m in range(lookup_max + 1)]
-
-
-def _shallower(spec, trees: list[TreeBuffers] | None, depth: int, lookup_max: int):
-    """The step's tree spec and static trees, drafted no deeper than `depth` (builds are cached)."""
-    if trees is not None:
-        if depth >= len(trees[0].levels):
-            return spec, trees
-        return spec, _static_trees(trees[0].paths, trees[0].depths.device, lookup_max, depth)
-    if depth >= spec.depth:
-        return spec, trees
-    most = spec.width + (depth - 1) * spec.width**2  # what a tree that deep and wide can hold
-    return DynamicTree(depth=depth, width=spec.width, nodes=min(spec.nodes, most)), trees
-
-
-@functools.lru_cache(maxsize=256)
-@torch.inference_mode(False)  # cached: its tensors outlive the decoding call that built them
-def _chain_shape(n: int, device: torch.device) -> tuple[StepTree, torch.Tensor]:
-    """A chain of `n` nodes, root first (built once per length: most steps verify one), and which
-    nodes are drafted."""
-    depths = torch.arange(n, device=device)
-    return StepTree.from_parents((depths - 1).clamp(min=0), depths, n - 1), depths > 0
-
-
-def _chain_tree(root: torch.Tensor, chain: torch.Tensor, ngram: int) -> _Draft:
-    """The root and the lookup chain alone: a step that does not draft with the heads."""
-    n = chain.shape[0] + 1
-    tree, is_chain = _chain_shape(n, root.device)
-    host = (list(range(n)), [0, *range(n - 1)], [0.0] + [1.0] * (n - 1), [False] + [True] * (n - 1))
-    return _Draft(torch.cat([root.view(1), chain]), tree, is_chain.float(), is_chain, ngram, host)
-
-
-def _no_deeper(draft: _Draft, depth: int) -> _Draft:
-    """The part of a drafted tree at most `depth` below the root: near `max_length` deeper nodes could
-    not be emitted, and their positions may lie past what the model embeds. Nodes are sorted by
-    depth, so the part is a prefix."""
-    if draft.tree.max_depth <= depth:
-        return draft
-    n = int((draft.tree.depths <= depth).sum())
-    host = None if draft.host is None else tuple(part[:n] for part in draft.host)
-    return _Draft(draft.tokens[:n], StepTree.from_parents(draft.tree.parents[:n], draft.tree.depths[:n], depth),
-                  draft.probs[:n], draft.is_chain[:n], draft.ngram, host)
-
-
-def _choose_nodes(drafts: list[_Draft], acceptance, costs: CostModel, gate, draft_ms: tuple[float, float] | None,
-                  explore: bool) -> tuple[list[_Draft], list[list[int]]]:
+def _choose_nodes(drafts: list[Draft], acceptance, costs: CostModel, gate, draft_ms: tuple[float, float] | None,
+                  explore: bool) -> tuple[list[Draft], list[list[int]]]:
     """Cut each row's draft to the nodes that pay: the width with the most expected tokens per
     millisecond under `costs` (`explore`: retrying widths untimed for long), each row keeping its
     likeliest nodes. Returns the cut drafts and each node's acceptance bucket. When the heads
@@ -468,7 +310,7 @@ def clover_generate(
     streamer = clover_streamer if clover_streamer is not None else streamer
     if batch > 1 and (want_scores or streamer is not None):
         raise ValueError("Clover returns scores and streams for batch size 1 only; pass one sequence at a time")
-    spec = _tree_spec(clover_tree, heads.config, device, batch)
+    spec = tree_spec(clover_tree, heads.config, device, batch)
     if isinstance(spec, DynamicTree) and not heads.dynamic_trees:
         raise ValueError(f"{heads.config.head_type} heads draft static trees only: pass tree=[[0], [1], [0, 0], ...] "
                          "(paths in Medusa's format) instead of a dynamic tree")
@@ -476,7 +318,7 @@ def clover_generate(
     lookup = heads.config.lookup_tokens if clover_lookup is None else clover_lookup
     lookup_max = max(lookup, heads.config.lookup_max_tokens if clover_lookup_max is None else clover_lookup_max)
     # static trees are compiled once per lookup chain length (and per drafting depth, when the budget cuts it)
-    trees = None if isinstance(spec, DynamicTree) else _static_trees(spec, device, lookup_max, depth=None)
+    trees = None if isinstance(spec, DynamicTree) else static_trees(spec, device, lookup_max, depth=None)
     depth = spec.depth if trees is None else len(trees[0].levels)
     if depth > heads.config.num_heads:
         raise ValueError(f"the tree is {depth} deep but the heads draft {heads.config.num_heads} tokens")
@@ -498,39 +340,11 @@ def clover_generate(
     # Prefill: the prompts through the base; each row's hidden states wait for the heads' first draft.
     attention_mask = model_kwargs.get("attention_mask")
     attention_mask = None if attention_mask is None else attention_mask.to(device)
-    valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    positions = torch.where(valid, valid.long().cumsum(1) - 1, -1)  # (B, P); -1 marks a masked slot
-    # One unpadded row without a window goes through the base's own mask path, as in plain decoding: its
-    # prefill builds no (P, P) mask (a long prompt's would take gigabytes), and in bf16 an explicit additive
-    # mask rounds differently from the base's own at some lengths.
-    plain_mask = batch == 1 and not layout.mapping and layout.sliding_window is None and bool(valid.all())
-    cache = new_cache()
-    if plain_mask:
-        mask = torch.ones(1, prompt_len, dtype=torch.long, device=device)
-    else:
-        eye = torch.eye(prompt_len, dtype=torch.bool, device=device)
-        causal = (eye.new_ones(prompt_len, prompt_len).tril() & valid[:, None, :]) | eye
-        mask = layout.build(positions[:, :0], positions, causal, dtype)
-    with linear_forms([model], forms):
-        logits, hidden = _base_forward(model, input_ids, mask, positions.clamp(min=0), cache, logits_to_keep=1,
-                                       pre_norm=pre_norm)
+    logits, hidden, positions, cache, plain_mask = _prefill(model, input_ids, attention_mask, layout, forms, pre_norm)
     stats.steps += 1
-    scores = logits_processor(input_ids, logits[:, -1])
-    rows = []
-    for b in range(batch):
-        root = sample_token(scores[b].softmax(-1), torch.rand((), device=device)) if sample else scores[b].argmax()
-        emitter = _Emitter(input_ids[b : b + 1], stopping_criteria, streamer,
-                           [] if want and generation_config.output_scores else None,
-                           [] if want and generation_config.output_logits else None)
-        _, finished = emitter.emit(root.view(1), scores[b : b + 1], logits[b, -1:])
-        start = 0 if attention_mask is None else int(valid[b].long().argmax())
-        row = _Row(emitter, start, root, positions[b].max() + 1, lookup, finished)
-        if not finished:
-            row.ngrams = NgramIndex(emitter.input_ids[0, start:].tolist())
-            cols = slice(None) if attention_mask is None else valid[b]
-            text = torch.cat([input_ids[b, cols][1:], root.view(1)])
-            row.pending.append((hidden[b, cols][None], embed(text)[None], positions[b, cols][None]))
-        rows.append(row)
+    keep = (want and generation_config.output_scores, want and generation_config.output_logits)
+    rows = _start_rows(input_ids, attention_mask, positions, logits, hidden, logits_processor, sample,
+                       stopping_criteria, streamer, keep, lookup, embed)
     active, positions = _drop_finished(rows, cache, positions)
 
     # The draft budget: this machine's verify costs (measured now if unknown) and calibrated acceptance.
@@ -554,24 +368,10 @@ def clover_generate(
             with_heads = not budgeted or clover_budget.gate.drafting()
             step_spec, step_trees = spec, trees
             if with_heads and budgeted:
-                step_spec, step_trees = _shallower(spec, trees, clover_budget.gate.draft_depth(depth), lookup_max)
-            drafts, chains = [], []
-            augment_s, augmented = 0.0, 0
-            for row in active:
-                text = row.emitter.input_ids[0, row.start :]
-                depth_left = generation_config.max_length - row.emitter.input_ids.shape[1] - 1  # after the bonus token
-                chain_len = min(lookup_max if budgeted else row.chain_len, depth_left)
-                chain_start, ngram = row.ngrams.match(chain_len) if chain_len > 0 else (text.shape[0], 0)
-                chain = text[chain_start : chain_start + chain_len]
-                if with_heads:
-                    augment_start = time.perf_counter()
-                    augmented += _catch_up(heads, row)
-                    augment_s += time.perf_counter() - augment_start
-                    draft = _draft_tree(heads, row.feature, row.root, step_spec, step_trees, chain, ngram, embed, lm_head)
-                else:
-                    draft = _chain_tree(row.root, chain, ngram)
-                drafts.append(_no_deeper(draft, depth_left))
-                chains.append(chain)
+                step_spec, step_trees = shallower(spec, trees, clover_budget.gate.draft_depth(depth), lookup_max)
+            drafts, chains, augment_s, augmented = draft_rows(
+                active, heads if with_heads else None, step_spec, step_trees, lookup_max if budgeted else None,
+                generation_config.max_length, embed, lm_head)
             stats.head_drafts += with_heads
             clock.lap("draft")
             if budgeted:
@@ -588,7 +388,7 @@ def clover_generate(
                 clock.lap("choose")
             verify_started = time.perf_counter()
             past_len = positions.shape[1]
-            ids, node_pos, allowed = _stack_trees(drafts, active)
+            ids, node_pos, allowed = stack_trees(drafts, active)
             if plain_mask and ids.shape[1] == 1:
                 mask = torch.ones(1, past_len + 1, dtype=torch.long, device=device)
             else:
@@ -596,36 +396,10 @@ def clover_generate(
             logits, hidden = _base_forward(model, ids, mask, node_pos, cache, pre_norm=pre_norm)
             stats.steps += 1
             clock.lap("verify forward")
-            accepted = []
-            for b, (row, draft) in enumerate(zip(active, drafts)):
-                tokens, tree = draft.tokens, draft.tree
-                n = tokens.shape[0]
-                scores = process_tree_logits(logits[b, :n], row.emitter.input_ids, tokens, tree, logits_processor)
-                if sample:
-                    uniforms = torch.rand(n, device=device)
-                    nodes, bonus = accept_sampled(tokens, scores.softmax(-1), tree, uniforms)
-                else:
-                    nodes, bonus = accept_greedy(tokens, scores.argmax(-1), tree)
-                stats.accepted_lengths.append(nodes.shape[0] - 1)
-                stats.verified_tokens += n
-                if budgeted:
-                    acceptance.observe(buckets[b], draft.host[1], nodes.tolist())
-                accepted.append((nodes, bonus, scores))
+            accepted = _accept_rows(active, drafts, logits, logits_processor, sample, stats,
+                                    (acceptance, buckets) if budgeted else None)
             clock.lap("accept")
-
-            # Emit each row's accepted drafts and bonus token; each was scored at its parent node.
-            news, kept = [], []
-            for b, (row, draft, chain, (nodes, bonus, scores)) in enumerate(zip(active, drafts, chains, accepted)):
-                new = torch.cat([draft.tokens[nodes[1:]], bonus.view(1)])
-                n, row.finished = row.emitter.emit(new, scores[nodes], logits[b, nodes])
-                row.ngrams.extend(new[:n].tolist())
-                kept.append(nodes[:n])  # the cache holds every emitted token but the last
-                row.next_pos = row.next_pos + n
-                row.root = bonus
-                # while the text copies earlier text, let the next chain reach further (as HF's assistant heuristic)
-                copied = 0 < chain.shape[0] < n and torch.equal(new[: chain.shape[0]], chain)
-                row.chain_len = min(2 * row.chain_len, lookup_max) if copied else lookup
-                news.append(new)
+            news, kept = _emit_rows(active, drafts, chains, accepted, logits, lookup, lookup_max)
             positions = torch.cat([positions, _compact(cache, past_len, kept, node_pos)], dim=1)
             if len(active) > 1:
                 positions = _repack(cache, positions)
@@ -651,6 +425,98 @@ def clover_generate(
         logits=tuple(rows[0].emitter.raw_logits) if rows[0].emitter.raw_logits is not None else None,
         past_key_values=cache if batch == 1 else None,  # a batch's cache has masked slots
     )
+
+
+def _prefill(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layout: MaskLayout,
+             forms: LinearForms, pre_norm: bool):
+    """The prompts (B, P), left-padded where `attention_mask` says so, through the base into a new cache.
+    Returns the last position's logits, the hidden states, positions (B, P) (-1: a masked slot), the
+    cache, and whether decoding may keep the base's own mask path (one unpadded row without a window)."""
+    batch, prompt_len = input_ids.shape
+    device = input_ids.device
+    valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    positions = torch.where(valid, valid.long().cumsum(1) - 1, -1)
+    # One unpadded row without a window goes through the base's own mask path, as in plain decoding: its
+    # prefill builds no (P, P) mask (a long prompt's would take gigabytes), and in bf16 an explicit additive
+    # mask rounds differently from the base's own at some lengths.
+    plain_mask = batch == 1 and not layout.mapping and layout.sliding_window is None and bool(valid.all())
+    cache = new_cache()
+    if plain_mask:
+        mask = torch.ones(1, prompt_len, dtype=torch.long, device=device)
+    else:
+        eye = torch.eye(prompt_len, dtype=torch.bool, device=device)
+        causal = (eye.new_ones(prompt_len, prompt_len).tril() & valid[:, None, :]) | eye
+        mask = layout.build(positions[:, :0], positions, causal, model.dtype)
+    with linear_forms([model], forms):
+        logits, hidden = _base_forward(model, input_ids, mask, positions.clamp(min=0), cache, logits_to_keep=1,
+                                       pre_norm=pre_norm)
+    return logits, hidden, positions, cache, plain_mask
+
+
+def _start_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor,
+                logits: torch.Tensor, hidden: torch.Tensor, logits_processor, sample: bool, stopping_criteria,
+                streamer, keep: tuple[bool, bool], lookup: int, embed) -> list[_Row]:
+    """Each row's first token, chosen from the prefill's last logits and emitted, and its decode state;
+    `keep`: whether to keep (scores, logits) for the output."""
+    scores = logits_processor(input_ids, logits[:, -1])
+    rows = []
+    for b in range(input_ids.shape[0]):
+        root = sample_token(scores[b].softmax(-1), torch.rand((), device=input_ids.device)) if sample else scores[b].argmax()
+        emitter = _Emitter(input_ids[b : b + 1], stopping_criteria, streamer,
+                           [] if keep[0] else None, [] if keep[1] else None)
+        _, finished = emitter.emit(root.view(1), scores[b : b + 1], logits[b, -1:])
+        valid = positions[b] >= 0
+        start = 0 if attention_mask is None else int(valid.long().argmax())
+        row = _Row(emitter, start, root, positions[b].max() + 1, lookup, finished)
+        if not finished:
+            row.ngrams = NgramIndex(emitter.input_ids[0, start:].tolist())
+            cols = slice(None) if attention_mask is None else valid
+            text = torch.cat([input_ids[b, cols][1:], root.view(1)])
+            row.pending.append((hidden[b, cols][None], embed(text)[None], positions[b, cols][None]))
+        rows.append(row)
+    return rows
+
+
+def _accept_rows(rows: list[_Row], drafts: list[Draft], logits: torch.Tensor, logits_processor, sample: bool,
+                 stats: GenerationStats, budget_view: tuple | None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Each row's accepted nodes (root first), bonus token, and its tree's scores after the logits processors
+    (greedy, or lossless rejection sampling). `budget_view` (acceptance, buckets) learns what was accepted."""
+    accepted = []
+    for b, (row, draft) in enumerate(zip(rows, drafts)):
+        tokens, tree = draft.tokens, draft.tree
+        n = tokens.shape[0]
+        scores = process_tree_logits(logits[b, :n], row.emitter.input_ids, tokens, tree, logits_processor)
+        if sample:
+            uniforms = torch.rand(n, device=tokens.device)
+            nodes, bonus = accept_sampled(tokens, scores.softmax(-1), tree, uniforms)
+        else:
+            nodes, bonus = accept_greedy(tokens, scores.argmax(-1), tree)
+        stats.accepted_lengths.append(nodes.shape[0] - 1)
+        stats.verified_tokens += n
+        if budget_view is not None:
+            acceptance, buckets = budget_view
+            acceptance.observe(buckets[b], draft.host[1], nodes.tolist())
+        accepted.append((nodes, bonus, scores))
+    return accepted
+
+
+def _emit_rows(rows: list[_Row], drafts: list[Draft], chains: list[torch.Tensor], accepted, logits: torch.Tensor,
+               lookup: int, lookup_max: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Emit each row's accepted drafts and bonus token (each was scored at its parent node) until a
+    stopping criterion; returns each row's new tokens and the tree nodes its cache keeps."""
+    news, kept = [], []
+    for b, (row, draft, chain, (nodes, bonus, scores)) in enumerate(zip(rows, drafts, chains, accepted)):
+        new = torch.cat([draft.tokens[nodes[1:]], bonus.view(1)])
+        n, row.finished = row.emitter.emit(new, scores[nodes], logits[b, nodes])
+        row.ngrams.extend(new[:n].tolist())
+        kept.append(nodes[:n])  # the cache holds every emitted token but the last
+        row.next_pos = row.next_pos + n
+        row.root = bonus
+        # while the text copies earlier text, let the next chain reach further (as HF's assistant heuristic)
+        copied = 0 < chain.shape[0] < n and torch.equal(new[: chain.shape[0]], chain)
+        row.chain_len = min(2 * row.chain_len, lookup_max) if copied else lookup
+        news.append(new)
+    return news, kept
 
 
 def _drop_finished(rows: list[_Row], cache, positions: torch.Tensor) -> tuple[list[_Row], torch.Tensor]:

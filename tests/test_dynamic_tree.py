@@ -102,7 +102,7 @@ def test_dynamic_tree_saved_with_heads(tmp_path):
 def test_accelerator_tree_is_the_default_off_the_cpu_only():
     """Heads may carry a second, larger tree for accelerators at batch size 1; the CPU and batches keep
     the static tree, and an explicit tree wins everywhere."""
-    from clover_hf.decoding import _tree_spec
+    from clover_hf.drafting import tree_spec as _tree_spec
 
     base = tiny_model("llama")
     ids = prompt(3, length=6)
