@@ -1,9 +1,14 @@
-"""KV-cache compaction: keep only the accepted tree nodes after a verification forward."""
+"""The KV cache: how a forward takes it, and its compaction to the accepted tree nodes after a verification forward."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+
 import torch
 from transformers import DynamicCache
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 
 def new_cache() -> DynamicCache:
@@ -13,6 +18,17 @@ def new_cache() -> DynamicCache:
     keys when a whole tree is appended; full layers plus a windowed mask give the same attention.
     """
     return DynamicCache()
+
+
+@functools.lru_cache(maxsize=None)
+def cache_keyword(model_class: type) -> str:
+    """The keyword a model's forward takes its cache by: `cache` from transformers 5.24 (which deprecates
+    `past_key_values`, to be removed), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+# the field `generate`'s output returns the cache in: renamed with the forward's keyword
+OUTPUT_CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)} else "past_key_values"
 
 
 def _layers(cache: DynamicCache):

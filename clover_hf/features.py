@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from .base_parts import norm_inputs
 from .data import Conversation, Record
-from .heads import norm_inputs
 from .packing import Example
 
 

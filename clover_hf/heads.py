@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .base_parts import decoder_layers, rms_final_norm
 from .config import CloverConfig
 from .linears import LinearForms, linear
 from .packing import document_ids
@@ -449,11 +448,11 @@ class CloverHeads(DraftHeads):
         and with `norms` the base's final norm into the block's final norm (and the linear output
         heads' norm). Clover-2 initialises both this way; returns whether anything was copied.
         """
-        layers = _decoder_layers(base_model)
+        layers = decoder_layers(base_model)
         if layers is None:
             return False
         gemma = str(getattr(base_model.config, "model_type", "")).startswith("gemma")
-        final = _final_norm(base_model)
+        final = rms_final_norm(base_model)
         if norms and final is not None and not gemma:  # Gemma's RMSNorm scales by (1 + w): not ours
             targets = [self.augment_norm] + ([self.output.norm] if self.config.output_head == "linear" else [])
             for norm in targets:
@@ -586,47 +585,3 @@ class MedusaHeads(DraftHeads):
 def build_heads(config: CloverConfig) -> DraftHeads:
     """Fresh heads of the kind `config.head_type` names."""
     return MedusaHeads(config) if config.head_type == "medusa" else CloverHeads(config)
-
-
-def _decoder(base_model: nn.Module) -> nn.Module | None:
-    """The base's decoder stack under its LM head (`model` in Llama-style bases, `transformer` in GPT-2)."""
-    return getattr(base_model, "model", None) or getattr(base_model, "transformer", None)
-
-
-def final_norm(base_model: nn.Module) -> nn.Module | None:
-    """The base's norm after its last decoder layer (`norm` in Llama-style bases, `ln_f` in GPT-2's)."""
-    decoder = _decoder(base_model)
-    return next((m for m in (getattr(decoder, n, None) for n in ("norm", "ln_f", "final_layer_norm")) if m is not None),
-                None)
-
-
-@contextmanager
-def norm_inputs(base_model: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """Collects, for every forward inside, the input of the base's final norm: its last hidden states before
-    that norm (`head_input="pre_norm"`), which `output_hidden_states` does not return."""
-    norm = final_norm(base_model)
-    if norm is None:
-        raise ValueError(f"head_input='pre_norm' reads the input of the base's final norm, and {type(base_model).__name__} "
-                         "has none that clover-hf finds (norm, ln_f or final_layer_norm under its decoder)")
-    captured: list[torch.Tensor] = []
-    handle = norm.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
-    try:
-        yield captured
-    finally:
-        handle.remove()
-
-
-def _final_norm(base_model: nn.Module) -> nn.Module | None:
-    """The base's final norm where it is an RMSNorm (the heads' kind of norm)."""
-    norm = final_norm(base_model)
-    return norm if norm is not None and "RMSNorm" in type(norm).__name__ else None
-
-
-def _decoder_layers(base_model: nn.Module) -> nn.ModuleList | None:
-    inner = _decoder(base_model)
-    for name in ("layers", "h", "blocks"):
-        layers = getattr(inner, name, None)
-        if isinstance(layers, nn.ModuleList) and len(layers):
-            return layers
-    return None
-

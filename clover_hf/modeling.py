@@ -351,7 +351,8 @@ class CloverForCausalLM(nn.Module):
         return generation_config
 
     def _unsupported_reason(self, inputs: Any, config: GenerationConfig, kwargs: dict) -> str | None:
-        for key in ("assistant_model", "custom_generate", "past_key_values", "inputs_embeds", "prefix_allowed_tokens_fn"):
+        for key in ("assistant_model", "custom_generate", "past_key_values", "cache", "inputs_embeds",
+                    "prefix_allowed_tokens_fn"):
             if kwargs.get(key) is not None:
                 return f"`{key}`"
         ids = inputs if inputs is not None else kwargs.get("input_ids")

@@ -1,4 +1,5 @@
-"""Tree verification: the attention mask and positions of a tree forward, and acceptance (greedy or sampled)."""
+"""Tree verification: the attention mask of a tree forward, the base forward itself, and acceptance (greedy or
+sampled)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessorList, PreTrainedModel
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
@@ -17,6 +18,8 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from .base_parts import norm_inputs
+from .cache import cache_keyword
 from .tree import StepTree, TreeBuffers
 
 
@@ -73,6 +76,45 @@ class MaskLayout:
                 ),
             }
         return additive_mask(past_positions, new_positions, new_allowed, dtype, self.sliding_window)
+
+
+def base_forward(model: PreTrainedModel, ids, mask, positions, cache, logits_to_keep: int = 0, pre_norm: bool = False):
+    """Logits (B, n, V) in fp32 and the last hidden states (B, T, H) of one base forward (with `pre_norm`,
+    those before the final norm).
+
+    The hidden states are read off the decoder's output with a hook: asking for `output_hidden_states`
+    collects every layer's, which cost 1% of a one-token step on a CPU. A model that is its own
+    decoder is asked for them."""
+    kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep and model._supports_logits_to_keep() else {}
+    kwargs[cache_keyword(type(model))] = cache
+    if pre_norm:
+        with norm_inputs(model) as captured:
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, return_dict=True,
+                        **kwargs)
+        return out.logits.float(), captured[-1]
+    decoder = model.get_decoder()
+    captured = []
+    hook = None if decoder is model else decoder.register_forward_hook(lambda m, args, out: captured.append(out))
+    try:
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            output_hidden_states=hook is None,
+            return_dict=True,
+            **kwargs,
+        )
+    finally:
+        if hook is not None:
+            hook.remove()
+    if hook is None:
+        return out.logits.float(), out.hidden_states[-1]
+    if not captured:
+        raise RuntimeError(f"{type(model).__name__}.get_decoder() returned a module its forward did not run; Clover "
+                           "reads the last hidden states from it")
+    last = captured[-1]
+    return out.logits.float(), last[0] if isinstance(last, tuple) else last.last_hidden_state
 
 
 # transformers' warpers that transform each row of scores on its own, whatever the prefix

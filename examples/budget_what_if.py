@@ -59,13 +59,13 @@ def main() -> None:
     costs = CostModel({1: curve}, draft_ms=draft_ms)
 
     widths: list[int] = []
-    forward = decoding._base_forward
+    forward = decoding.base_forward  # the verify forwards (the prefill runs in rows.py)
 
     def counting_forward(model, ids, *rest, **kwargs):
         widths.append(ids.shape[1])
         return forward(model, ids, *rest, **kwargs)
 
-    decoding._base_forward = counting_forward
+    decoding.base_forward = counting_forward
     model, tokenizer = load_default(getattr(torch, args.dtype))
     budget = DraftBudget(costs=costs)
     plain_ms = clover_ms = 0.0
@@ -76,7 +76,7 @@ def main() -> None:
         widths.clear()
         model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False, budget=budget)
         stats = model.generation_stats
-        ms = sum(costs.predict(1, w) for w in widths[1:]) + draft_ms * stats.head_drafts  # the prefill is common
+        ms = sum(costs.predict(1, w) for w in widths) + draft_ms * stats.head_drafts
         plain = (stats.new_tokens - 1) * curve[1]
         plain_ms, clover_ms = plain_ms + plain, clover_ms + ms
         tokens, steps = tokens + stats.new_tokens, steps + stats.steps

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from clover_hf import CloverForCausalLM, decoding
+from clover_hf import CloverForCausalLM, rows
 
 from .test_decoding import DRAFTING
 from .tiny import ARCHS, left_padded, oracle_model, prompt, same, tiny_model
@@ -40,7 +40,7 @@ def test_batch_rows_accept_different_lengths(arch, tree, repack, monkeypatch):
     carries masked slots (repacked when they dominate, or at every step here); long paths and bonus
     tokens must still give the base's output."""
     if repack == "every step":
-        monkeypatch.setattr(decoding, "REPACK_UNUSED_SHARE", 0.0)
+        monkeypatch.setattr(rows, "REPACK_UNUSED_SHARE", 0.0)
     base = tiny_model(arch)
     ids, mask, pads = three_rows()
     ref = base.generate(ids, attention_mask=mask, max_new_tokens=50, do_sample=False)

@@ -4,7 +4,6 @@ learned through the real decoding loop."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

@@ -10,6 +10,7 @@ import torch
 from transformers import StoppingCriteria, TextStreamer
 
 from clover_hf import CloverForCausalLM
+from clover_hf.cache import OUTPUT_CACHE_FIELD
 from clover_hf.decoding import clover_generate
 
 from .tiny import ARCHS, byte_tokenizer, check_stats, oracle_model, prompt, same, tiny_model
@@ -190,7 +191,7 @@ def test_return_dict_scores_and_logits():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     for a, b in zip(out.logits, ref.logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    assert out.past_key_values.get_seq_length() == out.sequences.shape[1] - 1
+    assert getattr(out, OUTPUT_CACHE_FIELD).get_seq_length() == out.sequences.shape[1] - 1
 
 
 def test_returned_tensors_are_normal_and_the_cache_continues_plain_decoding():
@@ -202,8 +203,28 @@ def test_returned_tensors_are_normal_and_the_cache_continues_plain_decoding():
         ids, max_new_tokens=20, **kw)
     assert not out.sequences.is_inference() and not any(s.is_inference() for s in out.scores)
     out.sequences[0, 0] = out.sequences[0, 0]  # in place, as callers do
-    more = base.generate(out.sequences, past_key_values=out.past_key_values, max_new_tokens=10, do_sample=False)
+    cache = {OUTPUT_CACHE_FIELD: getattr(out, OUTPUT_CACHE_FIELD)}  # `cache` from transformers 5.24, else past_key_values
+    more = base.generate(out.sequences, **cache, max_new_tokens=10, do_sample=False)
     assert same(more, base.generate(ids, max_new_tokens=30, do_sample=False))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_forwards_hand_the_cache_by_the_keyword_the_model_takes(arch, tmp_path):
+    """transformers 5.24 renamed the forward's `past_key_values` to `cache` and warns that the old name goes:
+    Clover's own forwards (prefill, verify, cost timing) must use whichever name the model takes."""
+    import warnings
+
+    from clover_hf import DraftBudget
+
+    base = tiny_model(arch)
+    ids = prompt(4)
+    ref = base.generate(ids, max_new_tokens=12, do_sample=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = oracle_model(base, ref).generate(ids, max_new_tokens=12, do_sample=False,
+                                               budget=DraftBudget(cache_dir=tmp_path))  # times its verify forwards
+    assert same(out, ref)
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
 
 
 def test_attention_mask_with_left_padding():
@@ -334,6 +355,24 @@ def test_profile_records_stage_times():
     assert all(v > 0 for v in stages.values())
     clover.generate(ids, max_new_tokens=10, do_sample=False)
     assert clover.generation_stats.stage_seconds == {}
+
+
+def test_profiled_stages_are_the_steps_alone(monkeypatch):
+    """The per-stage times describe decode steps: the prefill (made slow here) is not charged to drafting."""
+    import time
+
+    from clover_hf import decoding
+
+    real = decoding.prefill
+
+    def slow_prefill(*args, **kwargs):
+        time.sleep(0.3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decoding, "prefill", slow_prefill)
+    clover = CloverForCausalLM.from_base(tiny_model("llama"))
+    clover.generate(prompt(15), max_new_tokens=4, do_sample=False, clover_profile=True)
+    assert sum(clover.generation_stats.stage_seconds.values()) < 0.3
 
 
 class _Stop(StoppingCriteria):

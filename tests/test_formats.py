@@ -217,7 +217,7 @@ def _clover2_reference(state, base, ids: torch.Tensor, heads: int) -> list[torch
     the decoder layers (causal), norm; head 0 norm(W0 x), head i norm(W [x_i; e]) after the shared decoder."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-    from clover_hf.heads import norm_inputs
+    from clover_hf.base_parts import norm_inputs
 
     cfg = base.config
     with torch.no_grad(), norm_inputs(base) as captured:
@@ -282,7 +282,7 @@ def test_clover2_checkpoint_uses_every_tensor_and_drafts_as_clover2_defines(tmp_
         pytest.approx(sorted(state[k].sum().item() for k in used))
     ids = prompt(4, 12)
     want = _clover2_reference(state, base, ids, heads=3)
-    from clover_hf.heads import norm_inputs
+    from clover_hf.base_parts import norm_inputs
 
     with torch.no_grad(), norm_inputs(base) as captured:
         base(ids)

@@ -230,15 +230,15 @@ def test_clover2_input_options_decode_exactly(arch):
 
 def test_pre_norm_heads_read_the_final_norms_input_and_lm_head_rows():
     """What decoding hands the heads: the input of the base's final norm, and tokens embedded by lm_head rows."""
-    from clover_hf.decoding import _base_forward
-    from clover_hf.heads import norm_inputs
+    from clover_hf.base_parts import norm_inputs
+    from clover_hf.verification import base_forward
 
     base = tiny_model("llama")
     ids = prompt(3)
     with torch.no_grad():
         out = base(ids, output_hidden_states=True)
-        _, pre = _base_forward(base, ids, None, None, None, pre_norm=True)
-        _, post = _base_forward(base, ids, None, None, None)
+        _, pre = base_forward(base, ids, None, None, None, pre_norm=True)
+        _, post = base_forward(base, ids, None, None, None)
     torch.testing.assert_close(post, out.hidden_states[-1])
     torch.testing.assert_close(base.model.norm(pre), post)
     assert not torch.allclose(pre, post)

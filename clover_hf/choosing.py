@@ -1,0 +1,128 @@
+"""The draft budget inside one generate call: this machine's verify costs (timed first where unknown),
+each step's cut of every row's draft to the nodes that pay, and what the budget learns from the step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import PreTrainedModel
+
+from .budget import AcceptanceModel, CostModel, DraftBudget, choose_width, likeliest, path_chances
+from .cache import compact_cache
+from .drafting import Draft, shallower
+from .hardware import timed
+from .rows import Batch
+from .tree import DynamicTree, TreeBuffers
+from .verification import base_forward
+
+
+class StepBudget:
+    """A `DraftBudget` at work in one generate call, with the costs it has for this machine and batch."""
+
+    def __init__(self, budget: DraftBudget, key: str, costs: CostModel, acceptance: AcceptanceModel, depth: int,
+                 lookup_max: int) -> None:
+        self.budget, self.key, self.costs, self.acceptance = budget, key, costs, acceptance
+        self.depth, self.lookup_max = depth, lookup_max
+        self.buckets: list[list[int]] = []  # each row's acceptance bucket per node of this step's cut draft
+
+    @classmethod
+    def start(cls, budget: DraftBudget | None, key: str | None, calibrate: bool | None, model: PreTrainedModel,
+              batch: Batch, widest: int, depth: int, lookup_max: int, sample: bool) -> StepBudget | None:
+        """The budget for this call, its verify costs timed now where unknown (`calibrate`: see
+        `DraftBudget.costs`); None without a budget or costs, when the whole tree is verified every step."""
+        if budget is None or not batch.active:
+            return None
+        costs = budget.costs(key, len(batch.active), widest, measure_verify(model, batch, batch.active[0].root), calibrate)
+        acceptance = budget.acceptance(sample, depth, lookup_max)
+        acceptance.start_text()
+        return None if costs is None else cls(budget, key, costs, acceptance, depth, lookup_max)
+
+    def drafting(self) -> bool:
+        """Whether the heads draft this step (else the lookup chain alone is verified)."""
+        return self.budget.gate.drafting()
+
+    def shallower(self, spec: list[list[int]] | DynamicTree, trees: list[TreeBuffers] | None):
+        """The tree spec and static trees cut to the depth the heads' drafts have been used to lately."""
+        return shallower(spec, trees, self.budget.gate.draft_depth(self.depth), self.lookup_max)
+
+    def choose(self, drafts: list[Draft], with_heads: bool, started: float, augment_s: float, augmented: int
+               ) -> list[Draft]:
+        """Each row's draft cut to the nodes that pay. `started`: when drafting began (perf_counter), of
+        which `augment_s` went to the Augmenting Block's catching up on `augmented` positions."""
+        draft_ms = None  # (drafting, Augmenting Block per position) in ms, when the heads drafted
+        if with_heads and self.costs.draft_ms is not None:
+            draft_ms = (self.costs.draft_ms, 0.0)
+        elif with_heads:
+            for draft in drafts:  # read now, not in the choice: off the CPU drafting runs until read
+                draft.on_host()
+            drafting_s = time.perf_counter() - started - augment_s
+            draft_ms = (1000 * drafting_s, 1000 * augment_s / max(augmented, 1))
+        drafts, self.buckets = choose_nodes(drafts, self.acceptance, self.costs, self.budget.gate, draft_ms,
+                                            explore=self.budget.fixed is None)
+        return drafts
+
+    def accepted(self, row: int, draft: Draft, nodes: torch.Tensor) -> None:
+        """Learn which of the row's verified nodes were accepted."""
+        self.acceptance.observe(self.buckets[row], draft.host[1], nodes.tolist())
+
+    def verified(self, rows: int, width: int, started: float) -> None:
+        """Refine the costs with this step's time since `started` (before the verify forward) for `rows` x `width` tokens."""
+        if self.budget.fixed is None:
+            self.costs.observe(rows, width, 1000 * (time.perf_counter() - started))
+
+    def save(self) -> None:
+        self.budget.save(self.key)
+
+
+def choose_nodes(drafts: list[Draft], acceptance: AcceptanceModel, costs: CostModel, gate,
+                 draft_ms: tuple[float, float] | None, explore: bool) -> tuple[list[Draft], list[list[int]]]:
+    """Cut each row's draft to the nodes that pay: the width with the most expected tokens per
+    millisecond under `costs` (`explore`: retrying widths untimed for long), each row keeping its
+    likeliest nodes. Returns the cut drafts and each node's acceptance bucket. When the heads
+    drafted (`draft_ms`: their drafting time, and the Augmenting Block's per position), tells
+    `gate` how that compared with the chain alone."""
+    buckets, chances = [], []
+    for d in drafts:
+        depths, parents, probs, is_chain = d.on_host()
+        b = acceptance.buckets(depths, probs, is_chain, d.ngram)
+        buckets.append(b)
+        chances.append(path_chances(acceptance.rates(b), parents)[1:])
+    width, tokens, ms = choose_width(chances, costs, explore)
+    cut, cut_buckets = [], []
+    for d, b, c in zip(drafts, buckets, chances):
+        if width >= len(b):
+            cut.append(d)
+            cut_buckets.append(b)
+        elif width == 1:
+            cut.append(d.root_only())
+            cut_buckets.append(b[:1])
+        else:
+            nodes = likeliest(c, width)
+            cut.append(d.keep(nodes))
+            cut_buckets.append([b[i] for i in nodes])
+    if draft_ms is not None:
+        chain_only = [[x if chain else 0.0 for x, chain in zip(c, d.host[3][1:])] for c, d in zip(chances, drafts)]
+        _, chain_tokens, chain_ms = choose_width(chain_only, costs)
+        gate.record(*draft_ms, tokens, ms, chain_tokens / chain_ms)
+        gate.used(max(depth for d in cut for depth, chain in zip(d.host[0], d.host[3]) if not chain))
+    return cut, cut_buckets
+
+
+def measure_verify(model: PreTrainedModel, batch: Batch, token: torch.Tensor) -> Callable[[int], float]:
+    """`measure(width) -> ms`: the time of one forward of `width` tokens per row over the batch's cache
+    as it is, which is then cut back. Calibrates the draft budget's cost model."""
+    rows, past_len = batch.positions.shape
+    device = batch.positions.device
+    last = batch.positions.max(dim=1, keepdim=True).values  # a position every model embeds: one it already has
+
+    def measure(width: int) -> float:
+        new_pos = last.expand(rows, width)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(rows, -1, -1)
+        mask = batch.layout.build(batch.positions, new_pos, causal, model.dtype)
+        _, seconds = timed(lambda: base_forward(model, token.expand(rows, width), mask, new_pos, batch.cache), device)
+        compact_cache(batch.cache, past_len, new_pos[:, :0])
+        return 1000 * seconds
+
+    return measure
