@@ -34,7 +34,7 @@ from .user_cache import default_cache_dir
 
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
-COSTS_FILE = "verify_costs.v4.json"  # v4 entries may carry a linear form for one row (v3: from 2 rows up)
+COSTS_FILE = "verify_costs.v5.json"  # v5: one row takes F.linear or the native form (v4 could hold W @ x.T)
 OUTLIER = 2.0  # a timed step counts at most this many times the estimate
 NARROW = 8  # widths up to this are calibrated three times, wider ones once (they cost more and are chosen less)
 STALE_COST = 600  # a width is doubted most once the steps timed since it add up to this many times its own cost

@@ -10,7 +10,9 @@ machine, per number of rows, on the model's own weight shapes, and used only whe
 On an AMD EPYC with AVX-512-bf16, oneDNN (which serves bf16 `F.linear` on such CPUs) took 1.3-2.5x as
 long for one row as ATen's own kernel, and plain decoding ran 1.5x faster with the latter; from 2
 rows up oneDNN was the faster one. So one row is timed too, and "native" switches oneDNN off for
-the product.
+the product. It is the only form one row tries: on that CPU in fp32, timing the weights alone picked
+W @ x.T for one row in some calibrations (within noise of F.linear, the same matrix-vector product),
+while whole one-token forwards ran 2-7% slower with it.
 """
 
 from __future__ import annotations
@@ -129,8 +131,8 @@ def _best_ms(fn, reps: int) -> float:
 def faster_forms(models: Iterable[nn.Module], reps: int = 3) -> dict[int, str]:
     """The form faster than F.linear, by at least MIN_GAIN, over the models' linear layers at 1, 2, 4,
     ... MAX_ROWS rows (each weight shape weighted by how often it occurs; the output embedding only up
-    to VERIFY_ROWS); counts where F.linear is fastest are left out. W @ x.T is tried always, the
-    float32 forms and ATen's own kernel ("native", where oneDNN serves their dtype) for half-precision
+    to VERIFY_ROWS); counts where F.linear is fastest are left out. W @ x.T is tried from 2 rows, the
+    float32 forms from 2 rows and ATen's own kernel ("native", where oneDNN serves their dtype) for half-precision
     weights. Once a float32 form takes at most SETTLED of F.linear's time, larger counts keep it
     untimed; once the native form takes NATIVE_BEHIND times it, larger counts skip it (ATen's kernel
     falls further behind oneDNN's with more rows). CPU only: elsewhere, none."""
@@ -153,7 +155,13 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3) -> dict[int, str]:
         candidates.append(NATIVE)
     chosen, n = {}, 1
     while n <= MAX_ROWS:
-        ms = dict.fromkeys((LINEAR, *candidates), 0.0)
+        # one row: W @ x.T is the same matrix-vector product as F.linear, and a float32 copy of the weight
+        # reads more bytes than it saves; only ATen's own kernel differs
+        tried = [form for form in candidates if n > 1 or form == NATIVE]
+        if not tried:
+            n *= 2
+            continue
+        ms = dict.fromkeys((LINEAR, *tried), 0.0)
         for (shape, output), weight in weights.items():
             if output and n > VERIFY_ROWS:  # a prefill keeps the logits of its last row only
                 continue
@@ -161,7 +169,7 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3) -> dict[int, str]:
             for form in ms:
                 timing = _best_ms(lambda: form_linear(x, weight, None, form), 1 if output else reps)
                 ms[form] += shapes[shape, output] * timing
-        best = min(candidates, key=ms.get)
+        best = min(tried, key=ms.get)
         if ms[best] < MIN_GAIN * ms[LINEAR]:
             chosen[n] = best
         if NATIVE in ms and ms[NATIVE] >= NATIVE_BEHIND * ms[LINEAR]:

@@ -135,8 +135,9 @@ def test_forms_are_measured_on_the_cpu_within_their_bounds(dtype, monkeypatch):
     half = set(FORMS) - (set() if onednn_serves(dtype) else {"native"})  # native: ATen's kernel instead of oneDNN's
     assert tried == (half if dtype == torch.bfloat16 else {"linear", "transposed"})  # float32 forms: half weights
     vocab = model.lm_head.weight.shape
-    last = max(n for n, _, _ in timed)
-    assert {n for n, shape, _ in timed if shape == vocab} == {n for n in COUNTS if n <= min(VERIFY_ROWS, last)}
+    first, last = min(n for n, _, _ in timed), max(n for n, _, _ in timed)
+    assert first == (1 if "native" in tried else 2)  # one row tries ATen's own kernel alone
+    assert {n for n, shape, _ in timed if shape == vocab} == {n for n in COUNTS if first <= n <= min(VERIFY_ROWS, last)}
     if last < MAX_ROWS:  # a float32 form settled it: every larger count keeps that form
         assert dtype == torch.bfloat16 and forms[last] in ("float32", "float32_transposed")
         assert all(forms[n] == forms[last] for n in EVERY if n > last)
@@ -169,8 +170,22 @@ def test_a_float32_form_twice_as_fast_is_kept_for_larger_row_counts_untimed(monk
     timed = _fake_timings(monkeypatch, lambda rows, form: cost[form] * rows * (
         0.5 if form == "float32" and rows >= 8 else 1.0))
     forms = faster_forms([tiny_model("llama").to(torch.bfloat16)])
-    assert forms == {n: "float32" for n in COUNTS}  # 0.8x F.linear at 1-4 rows: chosen, timed on; 0.4x at 8: settled
+    assert forms == {n: "float32" for n in COUNTS if n > 1}  # 0.8x F.linear at 2-4 rows: chosen, timed on; 0.4x at 8: settled
     assert max(rows for rows, _ in timed) == 8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_tries_only_atens_own_kernel(dtype, monkeypatch):
+    """At one row W @ x.T is F.linear's matrix-vector product and a float32 copy of the weight reads more
+    than it saves: however their timings come out (faster here), one row keeps F.linear or takes native."""
+    import clover_hf.linears as linears
+
+    timed = _fake_timings(monkeypatch, lambda rows, form: rows * (1.0 if form == "linear" else 0.5))
+    monkeypatch.setattr(linears, "onednn_serves", lambda d: True)
+    forms = faster_forms([tiny_model("llama").to(dtype)])
+    assert {form for rows, form in timed if rows == 1} == ({"linear", "native"} if dtype == torch.bfloat16 else set())
+    assert forms.get(1) == ("native" if dtype == torch.bfloat16 else None)
+    assert forms[2] != "linear"  # from 2 rows every form is timed and the faster one taken
 
 
 def test_the_native_form_is_timed_while_it_keeps_up_with_f_linear(monkeypatch):
