@@ -14,6 +14,9 @@ WEIGHTS_NAME = "model.safetensors"
 HEAD_TYPES = ("clover", "medusa")
 OUTPUT_HEADS = ("residual", "linear")
 HEAD_INPUTS = ("post_norm", "pre_norm")
+CLOVER_OPTIONS = ("head_input", "decoder_bias", "embed_from_lm_head")  # Clover-2's forms of Clover's heads
+# fields added after the first release: left out of config.json at their defaults (older clover-hf reads it)
+OPTIONS = ("output_head", "own_lm_heads", "medusa_num_layers", *CLOVER_OPTIONS)
 
 
 def check_head_type(head_type: str) -> None:
@@ -150,8 +153,8 @@ class CloverConfig:
             raise ValueError("own_lm_heads is Medusa-1's per-head vocabulary projection: use it with head_type='medusa'")
         if self.head_input not in HEAD_INPUTS:
             raise ValueError(f"head_input must be one of {HEAD_INPUTS}, got {self.head_input!r}")
-        for name, default in (("head_input", "post_norm"), ("decoder_bias", False), ("embed_from_lm_head", False)):
-            if self.head_type != "clover" and getattr(self, name) != default:
+        for name in CLOVER_OPTIONS:
+            if self.head_type != "clover" and getattr(self, name) != self.__dataclass_fields__[name].default:
                 raise ValueError(f"{name} is an option of Clover's heads, not of {self.head_type} heads: drop it")
         if self.head_type != "medusa" and self.medusa_num_layers != 1:
             raise ValueError("medusa_num_layers sets Medusa-1's residual blocks per head: use it with head_type='medusa'")
@@ -185,9 +188,8 @@ class CloverConfig:
             del data["accelerator_dynamic_tree"]
         if data["head_dim"] * data["num_attention_heads"] == data["hidden_size"]:  # and before head_dim
             del data["head_dim"]
-        for name, default in (("output_head", "residual"), ("own_lm_heads", False), ("medusa_num_layers", 1),
-                              ("head_input", "post_norm"), ("decoder_bias", False), ("embed_from_lm_head", False)):
-            if data[name] == default:  # and before these options
+        for name in OPTIONS:  # and before these options
+            if data[name] == self.__dataclass_fields__[name].default:
                 del data[name]
         return data
 

@@ -161,4 +161,3 @@ def load_heads(directory: str | Path, device: torch.device | str = "cpu", dtype:
             raise ValueError(f"{weights}: draft_token_ids fall outside the vocabulary of {config.vocab_size}")
     heads.load_state_dict(state)
     return heads.to(device=device, dtype=dtype) if dtype is not None else heads.to(device)
-

@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
-
 @dataclass
 class Example:
     """A tokenized training sequence."""

@@ -13,6 +13,7 @@ import torch
 from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from .config import OPTIONS
 from .data import Record, load_records, sharegpt_conversations
 from .features import FeatureSet, cache_features, first_prompt, read_distilled, self_distill, tokenize_records
 from .heads import DraftHeads
@@ -162,8 +163,7 @@ def warm_start(heads: DraftHeads, source: str, keep_vocabulary: bool = False) ->
     from this run's data, unless `keep_vocabulary` (then the source's comes too)."""
     start = load_heads(resolve_heads(source))
     ours, theirs = heads.config, start.config
-    sizes = ["head_type", "hidden_size", "vocab_size", "num_heads", "output_head", "own_lm_heads", "medusa_num_layers",
-             "head_input", "decoder_bias", "embed_from_lm_head"]
+    sizes = ["head_type", "hidden_size", "vocab_size", "num_heads", *OPTIONS]
     if keep_vocabulary:
         sizes.append("draft_vocab_size")
     if ours.head_type == "clover":

@@ -372,7 +372,7 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{s['top1']:.2f}" for s in stats),
                             tok_s=f"{tokens / max(now - started, 1e-9):,.0f}")
-            stop = deadline is not None and self._all_agree(now >= deadline)
+            stop = deadline is not None and self._any_process(now >= deadline)
             if self.step % cfg.save_every == 0 or self.step == self.total_steps or stop:
                 self.save_checkpoint()
             if stop and self.step < self.total_steps:
@@ -399,7 +399,7 @@ class Trainer:
             self.total_steps, self.fitted = max(self.step, min(self.total_steps, fits)), True
             log(f"{per_step:.3f} s a step: {self.total_steps} steps fit in {self.config.train_minutes} minutes")
 
-    def _all_agree(self, flag: bool) -> bool:
+    def _any_process(self, flag: bool) -> bool:
         """Whether any process says so (each process reads its own clock; all must stop at the same step)."""
         if self.accelerator.num_processes == 1:
             return flag
