@@ -70,6 +70,10 @@ class MethodResult:
         return [sum(a >= d for a in self.accepted_lengths) / n if n else float("nan") for d in range(1, max_depth + 1)]
 
 
+ONE_TOKEN = "clover, one-token steps"  # Clover's kernels without speculation: what "clover" is measured against too
+DEFAULT_RUNS = {ONE_TOKEN: {"budget": "one-token"}, "clover": {}}
+
+
 def read_prompts(source: str | None, limit: int | None) -> list[str]:
     """MT-Bench first turns by default; else a .jsonl ("prompt" or "turns") or a text file (one per line)."""
     if source in (None, "mtbench"):
@@ -121,8 +125,9 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
     With `do_sample` every method draws from the same seed per prompt, but each consumes random
     numbers differently, so identical outputs are not expected (the table shows "-").
 
-    `clover_runs` names Clover variants and their extra `generate` arguments (default: one run with
-    the heads' own settings). `baselines` names other heads on the same base, as `CloverForCausalLM`s
+    `clover_runs` names Clover variants and their extra `generate` arguments (default: `DEFAULT_RUNS`,
+    Clover with the heads' own settings and Clover's kernels with one-token steps, so that what
+    speculation adds shows apart from what the kernels do). `baselines` names other heads on the same base, as `CloverForCausalLM`s
     (the Medusa baseline), each run with its own settings. `profile` times Clover's stages; it syncs
     the device at each stage, which is free only on CPU, so by default it is on there alone. With
     `batch_size` > 1 prompts run in left-padded batches; transformers' prompt lookup decodes one
@@ -140,7 +145,7 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample)
     if do_sample and temperature is not None:
         kwargs["temperature"] = temperature
-    clover_runs = clover_runs or {"clover": {}}
+    clover_runs = clover_runs or DEFAULT_RUNS
     methods = {"plain generate": lambda inputs: base.generate(**inputs, **kwargs)}
     drafting = {name: (model, extra) for name, extra in clover_runs.items()}
     drafting |= {name: (other, {}) for name, other in (baselines or {}).items()}
@@ -288,6 +293,21 @@ def _ratio_summary(r: MethodResult, base: MethodResult, ratios: list[float]) -> 
     text = f"slowest prompt {min(ratios):.2f}x plain ({where}), {len(slow)} of {len(ratios)} prompts below 0.9x"
     other = sum(other_length(j) for j in slow)
     return text + (f" ({other} of them with an output of another length than plain's)" if other else "")
+
+
+def speculation_shares(results: dict[str, MethodResult]) -> str:
+    """Each Clover run's speed against Clover's own one-token steps (the same kernels, no drafting): what
+    speculation adds, apart from the kernels' gain over plain `generate`."""
+    one = next((r for r in results.values() if r.name == ONE_TOKEN or r.name.endswith("(one-token)")), None)
+    if one is None or not one.tokens_per_second:
+        return ""
+    plain = results["plain generate"].tokens_per_second
+    lines = [f"Clover's kernels alone (one-token steps): {one.tokens_per_second / plain:.2f}x plain generate"]
+    for r in results.values():
+        if r is not one and r.name != "plain generate" and r.accepted_lengths:
+            lines.append(f"what speculation adds: {r.name} {r.tokens_per_second / one.tokens_per_second:.2f}x "
+                         f"its one-token steps ({r.tokens_per_second / plain:.2f}x plain)")
+    return "\n".join(lines)
 
 
 def step_breakdown(result: MethodResult) -> str:

@@ -18,6 +18,7 @@ outputs of the step it is made for: greedy output stays identical and sampling s
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -29,12 +30,14 @@ from typing import Callable
 
 import torch
 
-from .hardware import cpu_capability, cpu_name
+from .hardware import available_memory, cpu_capability, cpu_name
+from .linears import WeightCopies, copy_form
 from .user_cache import default_cache_dir
 
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
-COSTS_FILE = "verify_costs.v5.json"  # v5: one row takes F.linear or the native form (v4 could hold W @ x.T)
+COSTS_FILE = "verify_costs.v6.json"  # v6: forms computed from weight copies, and W @ x.T at one row (padded)
+COPY_SHARE = 0.5  # by default weight copies take at most this share of the memory available when they are made
 OUTLIER = 2.0  # a timed step counts at most this many times the estimate
 NARROW = 8  # widths up to this are calibrated three times, wider ones once (they cost more and are chosen less)
 STALE_COST = 600  # a width is doubted most once the steps timed since it add up to this many times its own cost
@@ -270,16 +273,17 @@ def path_chances(rates: list[float], parents: list[int]) -> list[float]:
     return chances
 
 
-def choose_width(chances: list[list[float]], costs: CostModel, explore: bool = False) -> tuple[int, float, float]:
+def choose_width(chances: list[list[float]], costs: CostModel, explore: bool = False, most: int | None = None
+                 ) -> tuple[int, float, float]:
     """The tokens per row to verify, with the most expected tokens per millisecond.
 
     chances[b]: path chances of row b's drafted nodes (root excluded). A width w verifies each row's
     root and its w-1 likeliest nodes. `explore`: weigh costs by `CostModel.price` (stale widths
-    look cheaper) instead of the plain estimate. Returns (width, expected tokens of all rows,
-    predicted ms).
+    look cheaper) instead of the plain estimate; `most`: widths up to this only. Returns (width,
+    expected tokens of all rows, predicted ms).
     """
     rows = len(chances)
-    limit = 1 + max(len(c) for c in chances)
+    limit = min(1 + max(len(c) for c in chances), most or float("inf"))
     gains = [[0.0, *accumulate(sorted(c, reverse=True))] for c in chances]
     best = (1, 0.0, 1.0)
     best_rate = -1.0
@@ -372,14 +376,54 @@ class DraftBudget:
     `costs` fixes the cost model (nothing is measured, refined or saved: with its `draft_ms` set,
     the choices are the same on every run); `cache_dir` overrides where costs are kept (default:
     `$CLOVER_HF_CACHE` or ~/.cache/clover_hf).
+
+    `weight_copies`: the memory the linear forms may spend on copies of the base's weights made once
+    (oneDNN's blocked layout, or float32 copies of bf16 weights on CPUs without native bf16; see
+    linears.py). True: at most `COPY_SHARE` of the memory available when they are made; an int: at
+    most that many bytes; False: none. `widest`: verify at most this many tokens per row each step (1:
+    plain decoding steps in Clover's kernels, no drafting: what speculation adds is measured against it).
     """
 
-    def __init__(self, costs: CostModel | None = None, cache_dir: str | Path | None = None) -> None:
+    def __init__(self, costs: CostModel | None = None, cache_dir: str | Path | None = None,
+                 weight_copies: bool | int = True, widest: int | None = None) -> None:
+        if isinstance(weight_copies, int) and not isinstance(weight_copies, bool) and weight_copies < 0:
+            raise ValueError(f"weight_copies must be True, False or a number of bytes >= 0, got {weight_copies}")
+        if widest is not None and widest < 1:
+            raise ValueError(f"widest must be at least 1 (a plain decoding step), got {widest}")
         self.fixed = costs
         self.cache_dir = cache_dir
+        self.weight_copies = weight_copies
+        self.widest = widest
+        self.copies = WeightCopies()
         self._costs: dict[str, CostModel] = {}
         self._acceptance: dict[tuple, AcceptanceModel] = {}
         self.gate = HeadsGate()
+
+    def one_token(self) -> "DraftBudget":
+        """This budget verifying one token a step: the same costs, forms and weight copies (shared, not copied)."""
+        view = copy.copy(self)
+        view.widest = 1
+        return view
+
+    def copy_limit(self) -> int:
+        """Bytes weight copies may take now: those made already, plus what `weight_copies` allows."""
+        if self.weight_copies is False:
+            return 0
+        if self.weight_copies is not True:
+            return int(self.weight_copies)
+        return self.copies.nbytes + int(COPY_SHARE * (available_memory() or 0))
+
+    def key_suffix(self) -> str:
+        """What the forms (and so the costs) depend on beyond the machine: whether weight copies are allowed."""
+        return "weight copies" if self.weight_copies is not False else "no weight copies"
+
+    def use_copies(self, forms: dict[int, str]) -> WeightCopies | None:
+        """The weight copies `forms` compute from, bounded by `copy_limit` (freed when they use none)."""
+        if copy_form(forms) is None:
+            self.copies.clear()
+            return None
+        self.copies.limit = self.copy_limit()
+        return self.copies
 
     def acceptance(self, sample: bool, depth: int, chain: int) -> AcceptanceModel:
         key = (sample, depth, chain)
@@ -392,16 +436,16 @@ class DraftBudget:
             self._costs[key] = load_costs(key, self.cache_dir) or CostModel()
         return self._costs[key]
 
-    def forms(self, key: str, calibrate: bool | None, measure: Callable[[], dict[int, str]]) -> dict[int, str]:
+    def forms(self, key: str, calibrate: bool | None, measure: Callable[[int], dict[int, str]]) -> dict[int, str]:
         """How linear layers compute each row count for `key` (`linears.faster_forms`): stored, else
-        measured by `measure()` (calibrate None: when not stored; True: again; False: never, which
-        leaves F.linear throughout). Costs timed under other forms, or before forms were chosen, are
-        dropped. A fixed cost model uses its own (none unless set)."""
+        measured by `measure(copy_limit)` (calibrate None: when not stored; True: again; False: never,
+        which leaves F.linear throughout). Costs timed under other forms, or before forms were chosen,
+        are dropped. A fixed cost model uses its own (none unless set)."""
         if self.fixed is not None:
             return self.fixed.forms or {}
         costs = self._stored(key)
         if calibrate or (calibrate is None and costs.forms is None):
-            forms = measure()
+            forms = measure(self.copy_limit())
             if forms != costs.forms:  # curves timed under other forms no longer hold
                 costs.ms, costs.timed_at = {}, {}
             costs.forms = forms

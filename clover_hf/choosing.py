@@ -34,14 +34,15 @@ class StepBudget:
         `DraftBudget.costs`); None without a budget or costs, when the whole tree is verified every step."""
         if budget is None or not batch.active:
             return None
+        widest = min(widest, budget.widest or widest)
         costs = budget.costs(key, len(batch.active), widest, measure_verify(model, batch, batch.active[0].root), calibrate)
         acceptance = budget.acceptance(sample, depth, lookup_max)
         acceptance.start_text()
         return None if costs is None else cls(budget, key, costs, acceptance, depth, lookup_max)
 
     def drafting(self) -> bool:
-        """Whether the heads draft this step (else the lookup chain alone is verified)."""
-        return self.budget.gate.drafting()
+        """Whether the heads draft this step (else the lookup chain alone is verified; never when one token is)."""
+        return self.budget.widest != 1 and self.budget.gate.drafting()
 
     def shallower(self, spec: list[list[int]] | DynamicTree, trees: list[TreeBuffers] | None):
         """The tree spec and static trees cut to the depth the heads' drafts have been used to lately."""
@@ -60,7 +61,7 @@ class StepBudget:
             drafting_s = time.perf_counter() - started - augment_s
             draft_ms = (1000 * drafting_s, 1000 * augment_s / max(augmented, 1))
         drafts, self.buckets = choose_nodes(drafts, self.acceptance, self.costs, self.budget.gate, draft_ms,
-                                            explore=self.budget.fixed is None)
+                                            explore=self.budget.fixed is None, most=self.budget.widest)
         return drafts
 
     def accepted(self, row: int, draft: Draft, nodes: torch.Tensor) -> None:
@@ -77,19 +78,20 @@ class StepBudget:
 
 
 def choose_nodes(drafts: list[Draft], acceptance: AcceptanceModel, costs: CostModel, gate,
-                 draft_ms: tuple[float, float] | None, explore: bool) -> tuple[list[Draft], list[list[int]]]:
+                 draft_ms: tuple[float, float] | None, explore: bool, most: int | None = None
+                 ) -> tuple[list[Draft], list[list[int]]]:
     """Cut each row's draft to the nodes that pay: the width with the most expected tokens per
     millisecond under `costs` (`explore`: retrying widths untimed for long), each row keeping its
     likeliest nodes. Returns the cut drafts and each node's acceptance bucket. When the heads
     drafted (`draft_ms`: their drafting time, and the Augmenting Block's per position), tells
-    `gate` how that compared with the chain alone."""
+    `gate` how that compared with the chain alone. `most`: verify at most this many tokens per row."""
     buckets, chances = [], []
     for d in drafts:
         depths, parents, probs, is_chain = d.on_host()
         b = acceptance.buckets(depths, probs, is_chain, d.ngram)
         buckets.append(b)
         chances.append(path_chances(acceptance.rates(b), parents)[1:])
-    width, tokens, ms = choose_width(chances, costs, explore)
+    width, tokens, ms = choose_width(chances, costs, explore, most)
     cut, cut_buckets = [], []
     for d, b, c in zip(drafts, buckets, chances):
         if width >= len(b):

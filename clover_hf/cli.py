@@ -187,6 +187,8 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
         if medusa is not None:
             baselines["medusa"] = medusa
     runs = {f"clover ({name})": kwargs for name, kwargs in json.loads(variants).items()} if variants else None
+    if runs and not any(kw.get("budget") == "one-token" for kw in runs.values()):
+        runs = {bench.ONE_TOKEN: {"budget": "one-token"}, **runs}  # what speculation adds is measured against it
     results = bench.run_benchmark(model, tokenizer, texts, max_new_tokens, do_sample, not no_prompt_lookup,
                                   clover_runs=runs, temperature=temperature, batch_size=batch_size,
                                   baselines=baselines, recheck=recheck)
@@ -206,7 +208,7 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
                f"{table}\n\nweights: base {base_mib:.0f} MiB, heads {heads_mib:.1f} MiB "
                f"({100 * heads_mib / base_mib:.1f}%); {bench.peak_memory(device)}\n\n"
                f"clover's draft settings, unless a variant overrides them: {tree_summary(model.clover_config)}\n\n"
-               f"{bench.slowest_prompts(results)}\n\n{breakdown}")
+               f"{bench.speculation_shares(results)}\n\n{bench.slowest_prompts(results)}\n\n{breakdown}")
     (out / "results.md").write_text(summary + "\n")
     (out / "results.json").write_text(json.dumps({n: vars(r) for n, r in results.items()}, indent=1))
     png = bench.plot(results, out / "plot.png")

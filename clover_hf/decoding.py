@@ -178,7 +178,8 @@ def clover_generate(
     attention_mask = None if attention_mask is None else attention_mask.to(device)
     layout = MaskLayout.for_config(model.config)
 
-    with linear_forms([model, clover_heads], plan.forms):  # how this machine multiplies, for the whole call
+    copies = None if clover_budget is None else clover_budget.use_copies(plan.forms)
+    with linear_forms([model, clover_heads], plan.forms, copies):  # how this machine multiplies, for the whole call
         # Prefill: the prompts through the base; each row's hidden states wait for the heads' first draft.
         logits, hidden, positions, cache, plain_mask = prefill(model, input_ids, attention_mask, layout, pre_norm)
         stats.steps += 1
@@ -265,8 +266,9 @@ def _plan(model: PreTrainedModel, heads: DraftHeads, batch: int, generation_conf
         raise ValueError(f"the tree is {depth} deep but the heads draft {heads.config.num_heads} tokens")
     if int8 is None:  # by default only where it was measured to pay: the CPU in bf16
         int8 = device.type == "cpu" and model.dtype == torch.bfloat16
-    key = None if budget is None else cost_key(model, device)
-    forms = {} if key is None else budget.forms(key, calibrate, lambda: faster_forms([model, heads]))
+    key = None if budget is None else f"{cost_key(model, device)}|{budget.key_suffix()}"
+    forms = {} if key is None else budget.forms(
+        key, calibrate, lambda copy_limit: faster_forms([model, heads], copy_limit=copy_limit))
     lm_head = dataclasses.replace(heads.draft_lm_head(model.get_output_embeddings(), int8=int8), forms=forms)
     return _Plan(heads, spec, trees, depth, lookup, lookup_max, heads.token_embedding(model), lm_head,
                  generation_config.max_length, key, forms)

@@ -84,6 +84,22 @@ def bf16_reads_faster_cpu(ratio: float = 1.2) -> bool:
     return best[torch.float32] >= ratio * best[torch.bfloat16]
 
 
+def available_memory() -> int | None:
+    """Bytes of memory the system could give this process now without swapping (Linux's MemAvailable;
+    elsewhere the free pages), or None where neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def default_dtype(device: torch.device | str = "cpu") -> torch.dtype:
     """bf16 on accelerators and on CPUs that compute it natively (AVX-512-bf16, AMX); on other CPUs
     bf16 where it was measured to decode faster than fp32 (`bf16_reads_faster_cpu`), else fp32."""

@@ -13,6 +13,18 @@ rows up oneDNN was the faster one. So one row is timed too, and "native" switche
 the product. It is the only form one row tries: on that CPU in fp32, timing the weights alone picked
 W @ x.T for one row in some calibrations (within noise of F.linear, the same matrix-vector product),
 while whole one-token forwards ran 2-7% slower with it.
+
+Some forms compute from a copy of the weight made once and kept ("weight copies"): oneDNN's blocked
+layout of it (what inductor's freezing emits), or a float32 copy of a half-precision weight where the
+CPU has no native half-precision products (on the AVX2-only EPYC a bf16 product of 16 rows took 3.5x
+that of 16 rows by a kept float32 copy; converting the weight on every product reads and writes 3x its
+bytes). The copies take memory, bounded by `WeightCopies.limit`; where a copy is missing or would
+not fit, its form computes without one (the same product, more slowly).
+Where a bf16 weight converts to float16 without loss (bf16's 8-bit mantissa fits float16's 11 bits;
+only magnitudes outside float16's range do not), FBGEMM's float16-weight product computes it in
+float32 from a packed float16 copy, reading half the bytes of a float32 copy: on the AVX2-only EPYC,
+all of SmolLM2's weights at 1 / 2 / 4 / 8 / 16 rows took 20 / 22 / 26 / 49 / 66 ms this way against
+21 / 35 / 61 / 138 / 256 ms by bf16 `F.linear` and 47 / 46 / 65 / 80 ms (2-16 rows) by float32 copies.
 """
 
 from __future__ import annotations
@@ -20,6 +32,9 @@ from __future__ import annotations
 import contextlib
 import time
 import types
+import warnings
+import weakref
+from functools import lru_cache
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 
@@ -28,7 +43,19 @@ import torch.nn.functional as F
 from torch import nn
 
 LINEAR, TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED, NATIVE = "linear", "transposed", "float32", "float32_transposed", "native"
-FORMS = (LINEAR, TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED, NATIVE)
+# forms computed from a copy of the weight made once: oneDNN's blocked layout (in the weight's dtype, where
+# oneDNN computes it), a float32 copy used as W @ x.T, a float32 copy in oneDNN's blocked layout, a float16
+# copy packed for FBGEMM (of weights float16 holds exactly; computed in float32)
+PACKED, FLOAT32_COPY, FLOAT32_PACKED, FLOAT16_PACKED = "packed", "float32_copy", "float32_packed", "float16_packed"
+COPIES = (PACKED, FLOAT32_COPY, FLOAT32_PACKED, FLOAT16_PACKED)
+WITHOUT_COPY = {PACKED: LINEAR, FLOAT32_COPY: FLOAT32_TRANSPOSED, FLOAT32_PACKED: FLOAT32,  # the same product, no copy
+                FLOAT16_PACKED: FLOAT32_TRANSPOSED}
+FORMS = (LINEAR, TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED, NATIVE, *COPIES)
+PACK_ROWS = 16  # the row count oneDNN lays a packed weight out for (verify forwards of a few to tens of tokens)
+FLOAT16_SHARE = 0.9  # float16 copies are tried where float16 holds at least this share of the weights exactly
+COPY_GAIN = 0.9  # a form that needs a weight copy must also take at most this share of the best form without one
+ONE_ROW_GAIN = 0.8  # at one row a form must take at most this share of F.linear's time (timing weights alone
+# misled by a few percent there: whole one-token forwards are what counts)
 MAX_ROWS = 256  # forms are timed at 1, 2, 4, ... this many rows; longer inputs take the form chosen here
 MIN_GAIN = 0.9  # another form must take at most this share of F.linear's time
 SETTLED = 0.5  # a float32 form taking at most this share of F.linear's time is kept for every larger row count
@@ -47,12 +74,17 @@ def _linears(model: nn.Module) -> list[nn.Linear]:
     return [m for m in model.modules() if type(m) is nn.Linear and "forward" not in m.__dict__]
 
 
+def _weights(model: nn.Module) -> list[torch.Tensor]:
+    return [m.weight for m in _linears(model)]
+
+
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias) as (weight @ x.T).T. Past `PAD_ROWS` rows, x gets zero rows up to a
-    multiple of `PAD_ROWS`: on the AVX2 CPU above, 15 rows took 2.4x as long as 16 in this form."""
+    multiple of `PAD_ROWS`: on the AVX2 CPU above, 15 rows took 2.4x as long as 16 in this form. One row
+    gets a zero row: a matrix-vector product there took 1.25x the two-row matrix product (fp32)."""
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
-    pad = (-n) % PAD_ROWS if n > PAD_ROWS else 0
+    pad = (-n) % PAD_ROWS if n > PAD_ROWS else 1 if n == 1 else 0
     if pad:
         rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
     out = torch.mm(weight, rows.t())[:, :n].t()
@@ -79,8 +111,82 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         torch.backends.mkldnn.enabled = True
 
 
-def form_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: str) -> torch.Tensor:
-    """F.linear(x, weight, bias) computed in `form`; the float32 forms return x's dtype."""
+def onednn_packs() -> bool:
+    """Whether oneDNN can lay weights out once for later products (a CPU torch build with it)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+@lru_cache(maxsize=1)
+def fbgemm_packs() -> bool:
+    """Whether this torch build computes FBGEMM's float16-weight products (x86 builds)."""
+    try:
+        _fp16_pack(torch.ones(8, 8))
+        return True
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def _fp16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` packed as float16 for FBGEMM. torch marks `fbgemm_pack_gemm_matrix_fp16` and
+    `fbgemm_linear_fp16_weight_fp32_activation` deprecated (no replacement named; they serve
+    `torch.ao`'s dynamic float16 linears); both uses are here and in `_fp16_linear`, pinned by
+    tests/test_linears.py, and `fbgemm_packs` turns the form off where they are gone. Their one-time
+    deprecation warnings are taken here: the user did not call them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        packed = torch.fbgemm_pack_gemm_matrix_fp16(weight.float())
+        torch.fbgemm_linear_fp16_weight_fp32_activation(weight.new_zeros(1, weight.shape[1]).float(), packed, None)
+    return packed
+
+
+def _fp16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = torch.fbgemm_linear_fp16_weight_fp32_activation(x.float(), packed, None if bias is None else bias.float())
+    return out.to(x.dtype)
+
+
+def float16_exact(weight: torch.Tensor) -> bool:
+    """Whether float16 holds every element of `weight` exactly (bf16 weights within float16's range do)."""
+    return bool((weight.detach().half().to(weight.dtype) == weight.detach()).all())
+
+
+def make_copy(weight: torch.Tensor, form: str) -> torch.Tensor | None:
+    """The copy of `weight` that `form` (one of COPIES) computes from; None for FLOAT16_PACKED where
+    float16 does not hold the weight exactly (the product would differ from F.linear's).
+
+    oneDNN's packing is private torch API (`torch.ops.mkldnn._reorder_linear_weight` and
+    `_linear_pointwise`, what inductor's freezing emits for CPU linears); no public API lays a weight out
+    once for eager products. Both uses are here and in `_packed_linear`, pinned by tests/test_linears.py."""
+    weight = weight.detach()
+    if form == FLOAT16_PACKED:
+        return _fp16_pack(weight) if float16_exact(weight) else None
+    if form == FLOAT32_COPY:
+        return weight.float().contiguous()
+    if form == FLOAT32_PACKED:
+        weight = weight.float()
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def form_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, form: str,
+                copy: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) computed in `form`; the float32 forms return x's dtype. The forms in
+    COPIES compute from `copy` (`make_copy(weight, form)`), or without one where it is None."""
+    if form in COPIES:
+        if copy is None:
+            form = WITHOUT_COPY[form]
+        elif form == FLOAT32_COPY:
+            return transposed_linear(x.float(), copy, None if bias is None else bias.float()).to(x.dtype)
+        elif form == FLOAT32_PACKED:
+            return _packed_linear(x.float(), copy, None if bias is None else bias.float()).to(x.dtype)
+        elif form == FLOAT16_PACKED:
+            return _fp16_linear(x, copy, bias)
+        else:
+            return _packed_linear(x, copy, bias)
     if form == NATIVE:
         return native_linear(x, weight, bias)
     if form == TRANSPOSED:
@@ -100,9 +206,55 @@ def form_for(forms: LinearForms, rows: int) -> str:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, forms: LinearForms) -> torch.Tensor:
-    """F.linear(x, weight, bias) in the form `forms` gives x's row count."""
+    """F.linear(x, weight, bias) in the form `forms` gives x's row count (a form that computes from a
+    weight copy computes without one: this weight is not a layer's)."""
     rows = x.numel() // x.shape[-1] if x.dim() >= 2 else 1
     return form_linear(x, weight, bias, form_for(forms, rows))
+
+
+class WeightCopies:
+    """The weight copies the forms in COPIES compute from: one per layer, made when first used and kept
+    while the layer lives, made again when its weight changes (a training step, `.to()`). Holds at most
+    `limit` bytes: past that a layer gets no copy, and its form computes without one."""
+
+    def __init__(self, limit: int = 0) -> None:
+        self.limit = limit
+        self.nbytes = 0
+        self._copies: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, torch.Tensor, int]] = weakref.WeakKeyDictionary()
+
+    def get(self, layer: nn.Linear, form: str) -> torch.Tensor | None:
+        """`layer`'s copy for `form`, made now if it has none (None where it would not fit)."""
+        w = layer.weight
+        stamp = (form, w.data_ptr(), w._version, w.dtype, w.device, tuple(w.shape))
+        entry = self._copies.get(layer)
+        if entry is not None and entry[0] == stamp:
+            return entry[1]  # None: a weight this form cannot copy (remembered, not checked every product)
+        if entry is not None:
+            del self._copies[layer]
+        self.nbytes = sum(size for _, _, size in self._copies.values())  # layers freed since drop out
+        size = copy_nbytes(w, form)
+        if self.nbytes + size > self.limit:
+            return None
+        copy = make_copy(w, form)
+        size = 0 if copy is None else size
+        self._copies[layer] = (stamp, copy, size)
+        self.nbytes += size
+        return copy
+
+    def clear(self) -> None:
+        self._copies.clear()
+        self.nbytes = 0
+
+
+def copy_nbytes(weight: torch.Tensor, form: str) -> int:
+    """Bytes a copy of `weight` for `form` takes (oneDNN's blocked layout pads little: counted unpadded)."""
+    return weight.numel() * {FLOAT32_COPY: 4, FLOAT32_PACKED: 4, FLOAT16_PACKED: 2}.get(form, weight.element_size())
+
+
+def copies_nbytes(models: Iterable[nn.Module], form: str) -> int:
+    """Bytes the copies of all the models' plain linear layers take in `form`."""
+    layers = {id(m): m for model in models for m in _linears(model)}.values()
+    return sum(copy_nbytes(m.weight, form) for m in layers)
 
 
 def onednn_serves(dtype: torch.dtype) -> bool:
@@ -128,14 +280,20 @@ def _best_ms(fn, reps: int) -> float:
 
 
 @torch.no_grad()
-def faster_forms(models: Iterable[nn.Module], reps: int = 3) -> dict[int, str]:
-    """The form faster than F.linear, by at least MIN_GAIN, over the models' linear layers at 1, 2, 4,
-    ... MAX_ROWS rows (each weight shape weighted by how often it occurs; the output embedding only up
-    to VERIFY_ROWS); counts where F.linear is fastest are left out. W @ x.T is tried from 2 rows, the
-    float32 forms from 2 rows and ATen's own kernel ("native", where oneDNN serves their dtype) for half-precision
-    weights. Once a float32 form takes at most SETTLED of F.linear's time, larger counts keep it
-    untimed; once the native form takes NATIVE_BEHIND times it, larger counts skip it (ATen's kernel
-    falls further behind oneDNN's with more rows). CPU only: elsewhere, none."""
+def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0) -> dict[int, str]:
+    """The form faster than F.linear, by at least MIN_GAIN (ONE_ROW_GAIN at one row), over the models'
+    linear layers at 1, 2, 4, ... MAX_ROWS rows (each weight shape weighted by how often it occurs; the
+    output embedding only up to VERIFY_ROWS); counts where F.linear is fastest are left out.
+
+    Tried: W @ x.T (at one row too, for float32 weights: padded to two rows); for half-precision
+    weights the float32 forms from 2 rows and ATen's own kernel ("native", where oneDNN serves their
+    dtype); from 2 rows, the forms that compute from a weight copy whose copies of every layer fit in
+    `copy_limit` bytes: oneDNN's blocked layout where oneDNN computes the weights' dtype, else float32
+    copies, where they take at most COPY_GAIN of the best form's time without a copy. One kind of copy at
+    most is chosen (the one that gains most), so the copies are made once.
+    Once a float32 form takes at most SETTLED of F.linear's time, larger counts keep it untimed; once
+    the native form takes NATIVE_BEHIND times it, larger counts skip it (ATen's kernel falls further
+    behind oneDNN's with more rows). CPU only: elsewhere, none."""
     models = list(models)
     vocab = {id(m.get_output_embeddings()) for m in models if hasattr(m, "get_output_embeddings")}
     shapes = Counter()
@@ -145,7 +303,7 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3) -> dict[int, str]:
             key, rows = (tuple(m.weight.shape), id(m) in vocab), m.weight.shape[0]
             # a vocabulary-sized weight is timed on a slice of its rows: the time scales with them
             shapes[key] += rows / min(rows, SLICE_ROWS)
-            weights[key] = m.weight[:SLICE_ROWS]
+            weights.setdefault(key, m.weight[:SLICE_ROWS])
     if not weights or next(iter(weights.values())).device.type != "cpu":
         return {}
     dtype = next(iter(weights.values())).dtype
@@ -153,49 +311,113 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3) -> dict[int, str]:
     candidates = [TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED] if half else [TRANSPOSED]
     if half and onednn_serves(dtype):
         candidates.append(NATIVE)
-    chosen, n = {}, 1
+    copying = [f for f in copy_forms_for(dtype) if copies_nbytes(models, f) <= copy_limit]
+    if FLOAT16_PACKED in copying:  # a layer whose weight float16 cannot hold computes without a copy: worth it
+        weights_all = [w for model in models for w in _weights(model)]  # only where most weights convert
+        exact = sum(w.numel() for w in weights_all if float16_exact(w))
+        if exact < FLOAT16_SHARE * sum(w.numel() for w in weights_all):
+            copying.remove(FLOAT16_PACKED)
+    candidates += copying
+    # timed on a copy of the shape's first weight (the base's, before its heads'), one float16 holds where it does not
+    copies = {(key, form): make_copy(w if form != FLOAT16_PACKED or float16_exact(w) else w.half().to(dtype), form)
+              for key, w in weights.items() for form in copying}
+    chosen, timings, settled_at, n = {}, {}, {}, 1
     while n <= MAX_ROWS:
-        # one row: W @ x.T is the same matrix-vector product as F.linear, and a float32 copy of the weight
-        # reads more bytes than it saves; only ATen's own kernel differs
-        tried = [form for form in candidates if n > 1 or form == NATIVE]
+        if n == 1:  # a float32 copy reads more than it saves, W @ x.T in half precision is ATen's slow product
+            tried = [form for form in candidates if form == NATIVE or (form == TRANSPOSED and not half)]
+        else:
+            tried = candidates
         if not tried:
             n *= 2
             continue
         ms = dict.fromkeys((LINEAR, *tried), 0.0)
-        for (shape, output), weight in weights.items():
+        for key, weight in weights.items():
+            (shape, output) = key
             if output and n > VERIFY_ROWS:  # a prefill keeps the logits of its last row only
                 continue
             x = torch.randn(n, weight.shape[1]).to(weight.dtype)
             for form in ms:
-                timing = _best_ms(lambda: form_linear(x, weight, None, form), 1 if output else reps)
-                ms[form] += shapes[shape, output] * timing
+                copy = copies.get((key, form))
+                timing = _best_ms(lambda: form_linear(x, weight, None, form, copy), 1 if output else reps)
+                ms[form] += shapes[key] * timing
+        timings[n] = ms
         best = min(tried, key=ms.get)
-        if ms[best] < MIN_GAIN * ms[LINEAR]:
+        without = min((f for f in ms if f not in COPIES), key=ms.get)
+        if best in COPIES and ms[best] > COPY_GAIN * ms[without]:  # not worth the memory
+            best = min((f for f in tried if f not in COPIES), key=ms.get, default=LINEAR)
+        if ms[best] < (ONE_ROW_GAIN if n == 1 else MIN_GAIN) * ms[LINEAR]:
             chosen[n] = best
         if NATIVE in ms and ms[NATIVE] >= NATIVE_BEHIND * ms[LINEAR]:
             candidates.remove(NATIVE)
-        if best in (FLOAT32, FLOAT32_TRANSPOSED) and ms[best] <= SETTLED * ms[LINEAR]:
+        if best in (FLOAT32, FLOAT32_TRANSPOSED, FLOAT32_COPY, FLOAT32_PACKED) and ms[best] <= SETTLED * ms[LINEAR]:
             # converting the weight is a fixed cost that more rows share further: no need to time them
             # (in bf16 on an AVX2 CPU, the larger row counts took half the timing)
+            settled = n
             while n < MAX_ROWS:
                 n *= 2
-                chosen[n] = best
+                chosen[n], settled_at[n] = best, settled
             break
         n *= 2
-    return chosen
+    return _one_kind_of_copy(chosen, timings, settled_at)
+
+
+def _one_kind_of_copy(chosen: dict[int, str], timings: dict[int, dict[str, float]], settled_at: dict[int, int]
+                      ) -> dict[int, str]:
+    """`chosen` with at most one of the COPIES forms: the one that saved the most time over the row
+    counts up to PACK_ROWS it was chosen at (verify forwards, every step; a prefill's many rows come
+    once a call); those that chose another take their best form of the rest."""
+    kinds = {form for form in chosen.values() if form in COPIES}
+    if len(kinds) <= 1:
+        return chosen
+
+    def saved(kind: str) -> float:
+        return sum(timings[n][LINEAR] - timings[n][kind] for n, form in chosen.items()
+                   if form == kind and n in timings and n <= PACK_ROWS)
+
+    keep = max(sorted(kinds), key=saved)
+    out = {}
+    for n, form in chosen.items():
+        if form in COPIES and form != keep:
+            ms = timings[settled_at.get(n, n)]
+            form = min((f for f in ms if f != LINEAR and (f not in COPIES or f == keep)), key=ms.get, default=LINEAR)
+            if ms[form] >= MIN_GAIN * ms[LINEAR]:
+                continue
+        out[n] = form
+    return out
+
+
+def copy_forms_for(dtype: torch.dtype) -> list[str]:
+    """The forms of COPIES this CPU computes for weights of `dtype`: oneDNN's blocked layout where
+    oneDNN computes the dtype (float32; bf16 on CPUs with native bf16), else, for half precision, a
+    float32 copy (and its blocked layout where torch has oneDNN); for half precision, FBGEMM's float16
+    copies where torch has FBGEMM."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    fp16 = [FLOAT16_PACKED] if half and fbgemm_packs() else []
+    if dtype == torch.float32 or (half and onednn_serves(dtype)):
+        return ([PACKED] if onednn_packs() else []) + fp16
+    return fp16 + [FLOAT32_COPY, *([FLOAT32_PACKED] if onednn_packs() else [])] if half else []
+
+
+def copy_form(forms: LinearForms) -> str | None:
+    """The one form of COPIES `forms` uses, if any."""
+    return next((form for form in forms.values() if form in COPIES), None)
 
 
 @contextlib.contextmanager
-def linear_forms(models: Iterable[nn.Module], forms: LinearForms) -> Iterator[None]:
+def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: WeightCopies | None = None
+                 ) -> Iterator[None]:
     """Within the block, the models' plain nn.Linear layers compute in the form `forms` gives each
-    input's row count."""
+    input's row count; forms that compute from a weight copy take it from `copies` (made there when
+    first used; without `copies`, or where one would not fit, they compute without one)."""
     if not forms:
         yield
         return
     forms = dict(forms)
 
     def forward(self, x):
-        return linear(x, self.weight, self.bias, forms)
+        form = form_for(forms, x.numel() // x.shape[-1] if x.dim() >= 2 else 1)
+        copy = copies.get(self, form) if copies is not None and form in COPIES else None
+        return form_linear(x, self.weight, self.bias, form, copy)
 
     layers = list({id(m): m for model in models for m in _linears(model)}.values())  # a layer listed twice once
     for m in layers:

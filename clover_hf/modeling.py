@@ -268,7 +268,9 @@ class CloverForCausalLM(nn.Module):
         nodes with the most expected tokens per second on this machine, from none (a plain decoding
         step, and no drafting while the heads do not pay) to the whole tree, from a cost model of the
         verify forward measured here and acceptance calibrated as decoding goes. "full": the whole
-        tree every step. A `CostModel` fixes the costs (nothing is measured). The first "auto" call on
+        tree every step. "one-token": one token a step in the forms "auto" multiplies with, no drafting
+        (what speculation adds is Clover against this). A `CostModel` fixes the costs (nothing is
+        measured). The first "auto" call on
         a new (base, dtype, device, threads, CPU) times a few forwards, a few seconds, and keeps the
         costs in the user cache ($CLOVER_HF_CACHE or ~/.cache/clover_hf); `calibrate=True` measures
         again, `calibrate=False` never measures (without stored costs the whole tree is verified).
@@ -322,7 +324,9 @@ class CloverForCausalLM(nn.Module):
             return self._draft_budget
         if budget == "full":
             return None
-        raise ValueError(f"budget must be 'auto', 'full', a CostModel or a DraftBudget, got {budget!r}")
+        if budget == "one-token":
+            return self._draft_budget.one_token()
+        raise ValueError(f"budget must be 'auto', 'full', 'one-token', a CostModel or a DraftBudget, got {budget!r}")
 
     def _resolved_config(self, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
         """The config `generate` will run with: the call's config and keywords over the model's defaults."""

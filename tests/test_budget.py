@@ -72,7 +72,7 @@ def test_budget_measures_only_what_it_does_not_know(tmp_path):
         calls.append(width)
         return 10.0 + width + (5.0 if calls.count(width) == 1 else 0.0)  # the first forward of a width is slow
 
-    def forms() -> dict[int, str]:
+    def forms(copy_limit: int) -> dict[int, str]:
         planned.append(True)
         return {2: "transposed"}
 
@@ -104,7 +104,7 @@ def test_costs_stored_before_linear_forms_were_chosen_are_measured_again(tmp_pat
     save_costs("m", CostModel({1: {1: 50.0, 4: 90.0, 8: 95.0}}), tmp_path)
     assert load_costs("m", tmp_path).forms is None
     budget, calls = DraftBudget(cache_dir=tmp_path), []
-    assert budget.forms("m", None, lambda: {4: "float32"}) == {4: "float32"}
+    assert budget.forms("m", None, lambda _: {4: "float32"}) == {4: "float32"}
     costs = budget.costs("m", 1, 8, lambda w: calls.append(w) or 20.0 + w, None)
     assert costs.predict(1, 8) == 28.0 and 8 in calls
     assert load_costs("m", tmp_path).forms == {4: "float32"}
@@ -113,13 +113,13 @@ def test_costs_stored_before_linear_forms_were_chosen_are_measured_again(tmp_pat
 def test_forms_that_change_on_recalibration_drop_curves_timed_under_the_old_ones(tmp_path):
     budget = DraftBudget(cache_dir=tmp_path)
     measure = lambda width: 10.0 + width  # noqa: E731
-    budget.forms("m", None, lambda: {4: "transposed"})
+    budget.forms("m", None, lambda _: {4: "transposed"})
     budget.costs("m", 2, 4, measure, None)
-    assert budget.forms("m", None, lambda: {2: "transposed"}) == {4: "transposed"}  # stored forms kept
+    assert budget.forms("m", None, lambda _: {2: "transposed"}) == {4: "transposed"}  # stored forms kept
     assert set(budget.costs("m", 1, 4, measure, None).ms) == {1, 2}
-    assert budget.forms("m", True, lambda: {4: "transposed"}) == {4: "transposed"}  # the same again: curves kept
+    assert budget.forms("m", True, lambda _: {4: "transposed"}) == {4: "transposed"}  # the same again: curves kept
     assert set(budget.costs("m", 1, 4, measure, None).ms) == {1, 2}
-    budget.forms("m", True, lambda: {8: "float32"})
+    budget.forms("m", True, lambda _: {8: "float32"})
     assert set(budget.costs("m", 1, 4, measure, None).ms) == {1}
 
 
@@ -375,3 +375,35 @@ def test_default_dtype_follows_the_cpu(monkeypatch):
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
     assert default_dtype("cpu") == torch.float32  # AVX-512 without bf16
     assert default_dtype("cuda") == torch.bfloat16
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_one_token_steps_verify_one_token_in_the_forms_auto_uses(arch, tmp_path):
+    """budget="one-token": Clover's kernels with plain decoding steps (no drafting), sharing the costs, forms
+    and weight copies "auto" learned; the output is plain `generate`'s."""
+    base = tiny_model(arch)
+    ids = prompt(3)
+    ref = base.generate(ids, max_new_tokens=24, do_sample=False)
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
+    clover._draft_budget = DraftBudget(costs=FLAT)
+    clover._draft_budget.fixed.forms = {2: "transposed"}
+    assert same(clover.generate(ids, max_new_tokens=24, do_sample=False), ref)
+    assert clover.generation_stats.verified_per_step > 1.5  # "auto" drafts where verifying more costs nothing
+    one = clover._resolve_budget("one-token")
+    assert one.widest == 1 and one.copies is clover._draft_budget.copies and one.fixed is clover._draft_budget.fixed
+    assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget="one-token"), ref)
+    stats = clover.generation_stats
+    assert stats.verified_per_step == 1.0 and stats.head_drafts == 0 and stats.steps == 24
+    assert clover._draft_budget.widest is None  # the view changed nothing of "auto"
+    with pytest.raises(ValueError, match="one-token"):
+        clover.generate(ids, max_new_tokens=4, budget="none")
+
+
+def test_weight_copies_setting_is_checked_and_keys_the_costs():
+    with pytest.raises(ValueError, match="weight_copies"):
+        DraftBudget(weight_copies=-1)
+    with pytest.raises(ValueError, match="widest"):
+        DraftBudget(widest=0)
+    assert DraftBudget(weight_copies=False).copy_limit() == 0 and DraftBudget(weight_copies=123).copy_limit() == 123
+    assert DraftBudget().copy_limit() > 0  # half of the memory available
+    assert DraftBudget().key_suffix() != DraftBudget(weight_copies=False).key_suffix()

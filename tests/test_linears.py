@@ -8,14 +8,22 @@ import torch.nn.functional as F
 
 from clover_hf import CloverForCausalLM, CostModel
 from clover_hf.linears import (
+    COPIES,
     FORMS,
     MAX_ROWS,
     PAD_ROWS,
     VERIFY_ROWS,
+    WITHOUT_COPY,
+    WeightCopies,
+    copies_nbytes,
+    copy_forms_for,
     faster_forms,
+    fbgemm_packs,
+    float16_exact,
     form_for,
     form_linear,
     linear_forms,
+    make_copy,
     onednn_serves,
     transposed_linear,
 )
@@ -126,17 +134,21 @@ def test_forms_are_measured_on_the_cpu_within_their_bounds(dtype, monkeypatch):
     import clover_hf.linears as linears
 
     timed = []
-    monkeypatch.setattr(linears, "form_linear", lambda x, w, b, form: timed.append((x.shape[0], w.shape, form))
-                        or form_linear(x, w, b, form))
+    monkeypatch.setattr(linears, "form_linear", lambda x, w, b, form, copy=None: timed.append((x.shape[0], w.shape, form))
+                        or form_linear(x, w, b, form, copy))
     model = tiny_model("llama").to(dtype)
-    forms = faster_forms([model], reps=1)
-    assert set(forms) <= COUNTS and set(forms.values()) <= set(FORMS) - {"linear"}
+    forms = faster_forms([model], reps=1)  # no memory for weight copies: no form that needs them
+    assert set(forms) <= COUNTS and set(forms.values()) <= set(FORMS) - {"linear", *COPIES}
     tried = {form for _, _, form in timed}
-    half = set(FORMS) - (set() if onednn_serves(dtype) else {"native"})  # native: ATen's kernel instead of oneDNN's
+    half = set(FORMS) - set(COPIES) - (set() if onednn_serves(dtype) else {"native"})  # native: ATen's kernel, not oneDNN's
     assert tried == (half if dtype == torch.bfloat16 else {"linear", "transposed"})  # float32 forms: half weights
     vocab = model.lm_head.weight.shape
     first, last = min(n for n, _, _ in timed), max(n for n, _, _ in timed)
-    assert first == (1 if "native" in tried else 2)  # one row tries ATen's own kernel alone
+    if dtype == torch.bfloat16:  # one row: ATen's own kernel where oneDNN would compute it; float32: W @ x.T
+        one_row = {"linear", "native"} if "native" in tried else set()
+    else:
+        one_row = {"linear", "transposed"}
+    assert {form for n, _, form in timed if n == 1} == one_row and first == (1 if one_row else 2)
     assert {n for n, shape, _ in timed if shape == vocab} == {n for n in COUNTS if first <= n <= min(VERIFY_ROWS, last)}
     if last < MAX_ROWS:  # a float32 form settled it: every larger count keeps that form
         assert dtype == torch.bfloat16 and forms[last] in ("float32", "float32_transposed")
@@ -150,7 +162,8 @@ def _fake_timings(monkeypatch, ms) -> list[tuple[int, str]]:
 
     timed = []
 
-    def record(x, w, b, form):
+    def record(x, w, b, form, copy=None):
+        assert (copy is not None) == (form in COPIES)  # a copy form is timed with its copy
         timed.append((x.shape[0], form))
 
     def fake_ms(fn, reps):
@@ -159,6 +172,7 @@ def _fake_timings(monkeypatch, ms) -> list[tuple[int, str]]:
 
     monkeypatch.setattr(linears, "form_linear", record)
     monkeypatch.setattr(linears, "_best_ms", fake_ms)
+    monkeypatch.setattr(linears, "make_copy", lambda w, form: w.detach().clone())  # the CPU may have no such copy
     return timed
 
 
@@ -167,6 +181,7 @@ def test_a_float32_form_twice_as_fast_is_kept_for_larger_row_counts_untimed(monk
     half of F.linear's time, more rows only favour it more, so they are not timed."""
     cost = {"linear": 1.0, "transposed": 1.0, "float32": 0.8, "float32_transposed": 0.9, "native": 1.0}
     # float32 costs 0.8x F.linear at 1-4 rows, 0.4x from 8 rows up
+    cost |= dict.fromkeys(COPIES, 1.0)
     timed = _fake_timings(monkeypatch, lambda rows, form: cost[form] * rows * (
         0.5 if form == "float32" and rows >= 8 else 1.0))
     forms = faster_forms([tiny_model("llama").to(torch.bfloat16)])
@@ -175,17 +190,23 @@ def test_a_float32_form_twice_as_fast_is_kept_for_larger_row_counts_untimed(monk
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_row_tries_only_atens_own_kernel(dtype, monkeypatch):
-    """At one row W @ x.T is F.linear's matrix-vector product and a float32 copy of the weight reads more
-    than it saves: however their timings come out (faster here), one row keeps F.linear or takes native."""
+def test_one_row_tries_atens_own_kernel_or_two_row_products(dtype, monkeypatch):
+    """At one row a float32 copy of the weight reads more than it saves and a half-precision W @ x.T is
+    ATen's slow product: however their timings come out (faster here), one row tries only ATen's own
+    kernel (half weights) or W @ x.T padded to two rows (float32), and takes it only when it saves
+    ONE_ROW_GAIN; from 2 rows every form is timed."""
     import clover_hf.linears as linears
 
-    timed = _fake_timings(monkeypatch, lambda rows, form: rows * (1.0 if form == "linear" else 0.5))
+    gain = {}
+    timed = _fake_timings(monkeypatch, lambda rows, form: rows * (1.0 if form == "linear" else gain.get(rows, 0.5)))
     monkeypatch.setattr(linears, "onednn_serves", lambda d: True)
-    forms = faster_forms([tiny_model("llama").to(dtype)])
-    assert {form for rows, form in timed if rows == 1} == ({"linear", "native"} if dtype == torch.bfloat16 else set())
-    assert forms.get(1) == ("native" if dtype == torch.bfloat16 else None)
-    assert forms[2] != "linear"  # from 2 rows every form is timed and the faster one taken
+    model = tiny_model("llama").to(dtype)
+    forms = faster_forms([model], copy_limit=10**9)
+    one_row = "native" if dtype == torch.bfloat16 else "transposed"
+    assert {form for rows, form in timed if rows == 1} == {"linear", one_row}
+    assert forms.get(1) == one_row and forms[2] != "linear"
+    gain[1] = 0.85  # saves less than ONE_ROW_GAIN asks at one row; enough from 2 rows
+    assert 1 not in faster_forms([model], copy_limit=10**9)
 
 
 def test_the_native_form_is_timed_while_it_keeps_up_with_f_linear(monkeypatch):
@@ -197,7 +218,7 @@ def test_the_native_form_is_timed_while_it_keeps_up_with_f_linear(monkeypatch):
     timed = _fake_timings(monkeypatch, lambda rows, form: rows * (
         {1: 0.5, 2: 1.2}.get(rows, 2.0) if form == "native" else 1.0))
     monkeypatch.setattr(linears, "onednn_serves", lambda dtype: True)
-    forms = faster_forms([tiny_model("llama").to(torch.bfloat16)])
+    forms = faster_forms([tiny_model("llama").to(torch.bfloat16)])  # no weight copies allowed
     assert forms == {1: "native"}
     assert {rows for rows, form in timed if form == "native"} == {1, 2, 4}
     assert max(rows for rows, _ in timed) == MAX_ROWS
@@ -214,3 +235,130 @@ def test_linear_forms_are_undone_on_error_and_take_a_layer_listed_twice_once():
             assert "forward" in model.lm_head.__dict__
             raise RuntimeError("stop")
     assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+ALL_COPIES = [(dtype, form) for dtype in (torch.float32, torch.bfloat16) for form in copy_forms_for(dtype)]
+
+
+def test_this_cpu_has_a_weight_copy_for_each_dtype():
+    """float32 weights: oneDNN's blocked layout wherever torch has oneDNN; bf16: that, or a float32 copy."""
+    assert copy_forms_for(torch.float32) == (["packed"] if torch.backends.mkldnn.is_available() else [])
+    bf16 = copy_forms_for(torch.bfloat16)
+    assert ("packed" in bf16) == onednn_serves(torch.bfloat16) and ("float32_copy" in bf16) != onednn_serves(torch.bfloat16)
+    assert ("float16_packed" in bf16) == fbgemm_packs() and "float16_packed" not in copy_forms_for(torch.float32)
+    assert copy_forms_for(torch.float64) == []
+
+
+def test_float16_copies_only_of_weights_float16_holds_exactly():
+    """bf16 weights within float16's range convert exactly; one that does not gets no float16 copy, and its
+    layer computes without one (remembered: not checked again every product)."""
+    exact = torch.randn(8, 16).to(torch.bfloat16)
+    assert float16_exact(exact) and not float16_exact(exact.float() + 1e-3)  # float32 digits float16 lacks
+    inexact = exact.clone()
+    inexact[0, 0] = 1e-9  # below float16's smallest subnormal
+    assert not float16_exact(inexact) and make_copy(inexact, "float16_packed") is None
+    layer = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(inexact)
+    copies = WeightCopies(limit=10**6)
+    assert copies.get(layer, "float16_packed") is None and copies.get(layer, "float16_packed") is None
+    assert copies.nbytes == 0
+
+
+@pytest.mark.parametrize("dtype,form", ALL_COPIES)
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 33])
+def test_weight_copy_forms_compute_f_linear(dtype, form, rows):
+    torch.manual_seed(0)
+    weight, bias, x = (t.to(dtype) for t in (torch.randn(48, 16), torch.randn(48), torch.randn(1, rows, 16)))
+    copy = make_copy(weight, form)
+    out = form_linear(x, weight, bias, form, copy)
+    exact = F.linear(x.float(), weight.float(), bias.float())
+    assert out.dtype == dtype and out.shape == (1, rows, 48)
+    assert torch.allclose(out.float(), exact, atol=1e-5 if dtype == torch.float32 else 0.1, rtol=1e-2)
+    # without its copy a form computes the same product another way
+    assert torch.equal(form_linear(x, weight, bias, form), form_linear(x, weight, bias, WITHOUT_COPY[form]))
+
+
+def test_weight_copies_are_made_once_bounded_and_made_again_when_the_weight_changes(monkeypatch):
+    import clover_hf.linears as linears
+
+    made = []
+    monkeypatch.setattr(linears, "make_copy", lambda w, form: made.append(form) or w.detach().float().clone())
+    a, b = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+    copies = WeightCopies(limit=copies_nbytes([a], "float32_copy"))  # room for one layer's copy
+    first = copies.get(a, "float32_copy")
+    assert copies.get(a, "float32_copy") is first and made == ["float32_copy"]  # kept
+    assert copies.get(b, "float32_copy") is None and copies.nbytes == 16 * 8 * 4  # would not fit
+    with torch.no_grad():
+        a.weight.add_(1.0)  # a training step: the copy is stale
+    assert torch.equal(copies.get(a, "float32_copy"), a.weight) and len(made) == 2
+    del a
+    import gc
+
+    gc.collect()
+    assert copies.get(b, "float32_copy") is not None  # the freed layer's copy went with it
+
+
+def test_one_kind_of_weight_copy_is_chosen(monkeypatch):
+    """Two kinds of copy would hold the weights twice more: the one that saves most is kept, and the row
+    counts that chose the other take their best form without a copy."""
+    import clover_hf.linears as linears
+
+    monkeypatch.setattr(linears, "onednn_serves", lambda d: False)
+    monkeypatch.setattr(linears, "onednn_packs", lambda: True)
+    cost = {"linear": 1.0, "transposed": 0.85, "float32": 0.95, "float32_transposed": 0.95,
+            "float32_copy": 0.6, "float32_packed": 0.7}
+    # float32_packed is the faster copy at 2-4 rows only; float32_copy from 8 rows up, where it saves more
+    _fake_timings(monkeypatch, lambda rows, form: rows * (0.55 if form == "float32_packed" and rows <= 4 else cost[form]))
+    model = tiny_model("llama").to(torch.bfloat16)
+    forms = faster_forms([model], copy_limit=copies_nbytes([model], "float32_copy"))
+    assert forms == {n: "float32_copy" for n in EVERY}
+    short = faster_forms([model], copy_limit=copies_nbytes([model], "float32_copy") - 1)  # no room for the copies
+    assert short == {n: "transposed" for n in EVERY}
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("form", [f for f in COPIES if f in ("float32_copy", "float32_packed")
+                                  or f in copy_forms_for(torch.float32) + copy_forms_for(torch.bfloat16)])
+def test_greedy_stays_exact_with_weight_copies_in_every_verify(arch, form, monkeypatch):
+    """Each form that computes from a weight copy (from float32 weights here, where greedy output is exact)
+    verifies every tree; copies are made once per layer and the output is plain `generate`'s."""
+    from clover_hf import DraftBudget
+    import clover_hf.linears as linears
+
+    made = []
+    monkeypatch.setattr(linears, "make_copy", lambda w, f: made.append(f) or make_copy(w, f))
+    base = tiny_model(arch)
+    if form == "float16_packed":  # float32 weights that float16 holds exactly, as bf16 ones
+        with torch.no_grad():
+            for p in base.parameters():
+                p.copy_(p.half().float())
+    ids = prompt(4)
+    ref = base.generate(ids, max_new_tokens=30, do_sample=False)
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
+    costs = CostModel.from_function(lambda rows, width: 10.0, draft_ms=0.0)  # the whole tree every step
+    costs.forms = {n: form for n in EVERY}
+    budget = DraftBudget(costs=costs)
+    for _ in range(2):
+        assert same(clover.generate(ids, max_new_tokens=30, do_sample=False, budget=budget), ref)
+        assert clover.generation_stats.verified_per_step > 2
+    layers = {id(m) for model in (base, clover.clover_heads) for m in model.modules() if type(m) is torch.nn.Linear}
+    assert made == [form] * len(made) and 0 < len(made) <= len(layers)  # made once, in the second call too
+    assert budget.copies.nbytes > 0
+
+
+def test_greedy_stays_exact_when_weight_copies_do_not_fit():
+    """Memory short: the layers past the limit compute without a copy, the output is still plain `generate`'s."""
+    from clover_hf import DraftBudget
+
+    base = tiny_model("llama")
+    ids = prompt(4)
+    ref = base.generate(ids, max_new_tokens=30, do_sample=False)
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
+    costs = CostModel.from_function(lambda rows, width: 10.0, draft_ms=0.0)
+    costs.forms = {n: "float32_copy" for n in EVERY}
+    limit = copies_nbytes([base], "float32_copy") // 3
+    for weight_copies in (limit, False):
+        budget = DraftBudget(costs=costs, weight_copies=weight_copies)
+        assert same(clover.generate(ids, max_new_tokens=30, do_sample=False, budget=budget), ref)
+        assert budget.copies.nbytes <= limit and (budget.copies.nbytes > 0) == (weight_copies is not False)
