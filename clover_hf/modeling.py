@@ -324,8 +324,8 @@ class CloverForCausalLM(nn.Module):
             return self._draft_budget
         if budget == "full":
             return None
-        if budget == "one-token":
-            return self._draft_budget.one_token()
+        if budget == "one-token":  # the model's own budget where it was given one (its forms and weight copies)
+            return (self.budget if isinstance(self.budget, DraftBudget) else self._draft_budget).one_token()
         raise ValueError(f"budget must be 'auto', 'full', 'one-token', a CostModel or a DraftBudget, got {budget!r}")
 
     def _resolved_config(self, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:

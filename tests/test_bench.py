@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from clover_hf import CloverForCausalLM
 from clover_hf.bench import (MethodResult, encode_batches, markdown_table, read_prompts, run_benchmark,
-                             slowest_prompts)
+                             slowest_prompts, speculation_shares)
 from clover_hf.cli import main
 
 from .tiny import CHAT_TEMPLATE, byte_tokenizer, save_tiny_base, tiny_model
@@ -29,13 +29,18 @@ def test_run_benchmark_interleaves_methods(tmp_path):
     _, tok, clover = _tiny_clover()
     prompts = ["hello", "a longer prompt here"]
     results = run_benchmark(clover, tok, prompts, max_new_tokens=12, warmup=1, log=lambda *_: None)
-    assert list(results) == ["plain generate", "clover", "prompt lookup (10)"]
+    assert list(results) == ["plain generate", "clover, one-token steps", "clover", "prompt lookup (10)"]
     for r in results.values():
         assert r.prompts == 2 and r.new_tokens == 24 and r.seconds > 0
     assert results["clover"].identical == 2  # greedy fp32: same tokens as plain generate
     assert len(results["clover"].accepted_lengths) == results["clover"].steps - 2  # two prefills, one per prompt
+    one = results["clover, one-token steps"]
+    assert one.identical == 2 and one.verified_per_step == 1.0 and one.steps == 24  # Clover's kernels, no speculation
     table = markdown_table(results, clover.clover_config.num_heads)
-    assert table.count("\n") == 4 and "| clover |" in table and "2/2" in table
+    assert table.count("\n") == 5 and "| clover |" in table and "2/2" in table
+    shares = speculation_shares(results)
+    speed = results["clover"].tokens_per_second / one.tokens_per_second
+    assert "one-token steps" in shares and f"clover {speed:.2f}x its one-token steps" in shares
 
 
 def test_read_prompts_sources(tmp_path):
@@ -61,7 +66,7 @@ def _bench(tmp_path, prompts: str, *extra: str) -> Path:
 def test_bench_command_writes_results(tmp_path):
     out = _bench(tmp_path, "first prompt\nsecond prompt\n", "--max-new-tokens", "8")
     text = (out / "results.md").read_text()
-    assert "2 prompts" in text and "| clover |" in text and "2/2" in text
+    assert "2 prompts" in text and "| clover |" in text and "2/2" in text and "what speculation adds: clover" in text
     assert "clover's draft settings, unless a variant overrides them: static, 25 nodes, depth 4" in text
     assert (out / "results.json").is_file()
 
@@ -84,7 +89,8 @@ def test_bench_compares_variants(tmp_path):
     out = _bench(tmp_path, "abc abc abc abc\nsecond prompt\n", "--max-new-tokens", "24",
                  "--variants", json.dumps(variants), "--no-prompt-lookup")
     results = json.loads((out / "results.json").read_text())
-    assert list(results) == ["plain generate", "clover (heads only)", "clover (lookup 6)", "clover (dynamic)"]
+    assert list(results) == ["plain generate", "clover, one-token steps", "clover (heads only)", "clover (lookup 6)",
+                             "clover (dynamic)"]  # variants are measured against Clover's one-token steps too
     for name in ("clover (heads only)", "clover (lookup 6)", "clover (dynamic)"):
         assert results[name]["identical"] == 2 and results[name]["new_tokens"] == 48
     text = (out / "results.md").read_text()

@@ -151,7 +151,7 @@ def test_benchmark_runs_the_medusa_baseline(tmp_path):
     clover = CloverForCausalLM.from_base(base)
     results = run_benchmark(clover, tok, ["hello", "another prompt"], max_new_tokens=12,
                             baselines={"medusa": medusa_model(base)}, log=lambda *_: None)
-    assert list(results) == ["plain generate", "clover", "medusa", "prompt lookup (10)"]
+    assert list(results) == ["plain generate", "clover, one-token steps", "clover", "medusa", "prompt lookup (10)"]
     medusa = results["medusa"]
     assert medusa.identical == 2 and medusa.new_tokens == 24
     assert len(medusa.accepted_lengths) == medusa.verify_steps == medusa.steps - 2 > 0  # two prompts, two prefills
@@ -168,7 +168,7 @@ def test_bench_command_takes_medusa_heads(tmp_path):
               "--prompts", str(tmp_path / "p.txt"), "--max-new-tokens", "8", "--no-prompt-lookup"]
     cli_main([*common, "--medusa-heads", str(tmp_path / "medusa"), "--out-dir", str(tmp_path / "out")])
     results = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert list(results) == ["plain generate", "clover", "medusa"] and results["medusa"]["identical"] == 2
+    assert list(results) == ["plain generate", "clover, one-token steps", "clover", "medusa"] and results["medusa"]["identical"] == 2
     assert "| medusa |" in (tmp_path / "out" / "results.md").read_text()
     with pytest.raises(ValueError, match="not Medusa's"):
         cli_main([*common, "--medusa-heads", str(tmp_path / "heads"), "--out-dir", str(tmp_path / "out2")])
