@@ -39,7 +39,9 @@ WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 
 COSTS_FILE = "verify_costs.v6.json"  # v6: forms computed from weight copies, and W @ x.T at one row (padded)
 COPY_SHARE = 0.5  # by default weight copies take at most this share of the memory available when they are made
 OUTLIER = 2.0  # a timed step counts at most this many times the estimate
-NARROW = 8  # widths up to this are calibrated three times, wider ones once (they cost more and are chosen less)
+CALIBRATED = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192)  # widths timed up front (and the whole tree's);
+# the steps refine them, and the choice is among those: a first call pays for few forwards
+NARROW = 4  # widths up to this are calibrated twice, wider ones once (they cost more and are chosen less)
 STALE_COST = 600  # a width is doubted most once the steps timed since it add up to this many times its own cost
 MAX_DOUBT = 0.75  # when choosing, a width's cost counts down to (1 - this) of its estimate as it goes stale
 
@@ -121,6 +123,18 @@ class CostModel:
         curve[width] += weight * (min(ms, OUTLIER * curve[width]) - curve[width])
         self.timed_ms += ms
         self.timed_at.setdefault(rows, {})[width] = self.timed_ms
+
+    def record(self, rows: int, width: int, ms: float) -> None:
+        """Take one timed step as the cost of a width not timed for `rows` rows before (a first call
+        learns its costs from its own steps)."""
+        self.ms.setdefault(rows, {})[width] = ms
+        self.timed_ms += ms
+        self.timed_at.setdefault(rows, {})[width] = self.timed_ms
+
+    def untimed(self, rows: int, limit: int) -> list[int]:
+        """The calibrated widths up to `limit` (and `limit`) with no cost for `rows` rows yet, narrowest first."""
+        timed = self.ms.get(rows, {})
+        return [w for w in [*(w for w in CALIBRATED if w < limit), limit] if w not in timed]
 
     def to_json(self) -> dict:
         data = {str(r): {str(w): round(ms, 3) for w, ms in sorted(c.items())} for r, c in self.ms.items()}
@@ -454,28 +468,31 @@ class DraftBudget:
 
     def costs(self, key: str, rows: int, limit: int, measure: Callable[[int], float], calibrate: bool | None
               ) -> CostModel | None:
-        """The cost model for `key` covering `rows` rows up to width `limit`, or None where it has none.
+        """The cost model for `key` for `rows` rows up to width `limit`, or None where it has none.
 
-        calibrate None: time what neither this process nor the user cache has; True: time again;
-        False: never. `measure(width) -> ms` times one verify forward, in the linear forms `forms()`
-        chose (which comes first).
+        calibrate None: what is not known yet (`CostModel.untimed`) is learnt from the call's first
+        steps, each verifying one such width (no forward is spent on timing alone, so a first call
+        costs little more than later ones); True: time every width again now, with `measure(width) ->
+        ms`, one verify forward in the linear forms `forms()` chose (which comes first); False: never
+        (without stored costs, None).
         """
         if self.fixed is not None:
             if not self.fixed.ms:
                 raise ValueError("the cost model given as budget holds no costs: build it with CostModel.from_function")
             return self.fixed
         costs = self._stored(key)
-        if calibrate or (calibrate is None and not costs.covers(rows, limit)):
-            widths = [w for w in WIDTHS if w < limit] + [limit]
+        if calibrate is None:
+            return costs
+        if calibrate:
+            widths = [w for w in CALIBRATED if w < limit] + [limit]
             curve = costs.ms.setdefault(rows, {})
-            todo = [w for w in widths if calibrate or w not in curve]
+            todo = widths
             measure(1)  # warm-up: the first forward of a process pays for one-off set-up
             for w in todo:
                 curve[w] = measure(w)
-            for _ in range(2):  # narrow widths twice more, keeping the fastest: one slow forward must not
-                for w in todo:  # rule out a width the budget may well choose
-                    if w <= NARROW:
-                        curve[w] = min(curve[w], measure(w))
+            for w in todo:  # narrow widths once more, keeping the faster: one slow forward must not
+                if w <= NARROW:  # rule out a width the budget may well choose
+                    curve[w] = min(curve[w], measure(w))
             save_costs(key, costs, self.cache_dir)
         return costs if costs.covers(rows, 1) else None
 

@@ -1,5 +1,6 @@
-"""The draft budget inside one generate call: this machine's verify costs (timed first where unknown),
-each step's cut of every row's draft to the nodes that pay, and what the budget learns from the step."""
+"""The draft budget inside one generate call: this machine's verify costs (learnt from the first steps
+where unknown), each step's cut of every row's draft to the nodes that pay, and what the budget learns
+from the step."""
 
 from __future__ import annotations
 
@@ -22,27 +23,36 @@ class StepBudget:
     """A `DraftBudget` at work in one generate call, with the costs it has for this machine and batch."""
 
     def __init__(self, budget: DraftBudget, key: str, costs: CostModel, acceptance: AcceptanceModel, depth: int,
-                 lookup_max: int) -> None:
+                 lookup_max: int, explore: list[int] | None = None) -> None:
         self.budget, self.key, self.costs, self.acceptance = budget, key, costs, acceptance
         self.depth, self.lookup_max = depth, lookup_max
         self.buckets: list[list[int]] = []  # each row's acceptance bucket per node of this step's cut draft
+        self.explore = list(explore or [])  # widths whose cost the next steps learn, one a step, narrowest first
+        self.exploring = False  # whether this step verifies a width to learn its cost
 
     @classmethod
     def start(cls, budget: DraftBudget | None, key: str | None, calibrate: bool | None, model: PreTrainedModel,
               batch: Batch, widest: int, depth: int, lookup_max: int, sample: bool) -> StepBudget | None:
-        """The budget for this call, its verify costs timed now where unknown (`calibrate`: see
-        `DraftBudget.costs`); None without a budget or costs, when the whole tree is verified every step."""
+        """The budget for this call with its verify costs: those not known yet are learnt from the first
+        steps, or timed now (`calibrate`: see `DraftBudget.costs`); None without a budget or costs, when
+        the whole tree is verified every step."""
         if budget is None or not batch.active:
             return None
         widest = min(widest, budget.widest or widest)
-        costs = budget.costs(key, len(batch.active), widest, measure_verify(model, batch, batch.active[0].root), calibrate)
+        rows = len(batch.active)
+        costs = budget.costs(key, rows, widest, measure_verify(model, batch, batch.active[0].root), calibrate)
+        if costs is None:
+            return None
         acceptance = budget.acceptance(sample, depth, lookup_max)
         acceptance.start_text()
-        return None if costs is None else cls(budget, key, costs, acceptance, depth, lookup_max)
+        explore = [] if budget.fixed is not None else costs.untimed(rows, widest)
+        return cls(budget, key, costs, acceptance, depth, lookup_max, explore)
 
     def drafting(self) -> bool:
-        """Whether the heads draft this step (else the lookup chain alone is verified; never when one token is)."""
-        return self.budget.widest != 1 and self.budget.gate.drafting()
+        """Whether the heads draft this step (else the lookup chain alone is verified; never when one token
+        is; always while learning the costs of wider steps, which need their drafts)."""
+        wider = [w for w in self.explore if w > 1]
+        return self.budget.widest != 1 and (bool(wider) or self.budget.gate.drafting())
 
     def shallower(self, spec: list[list[int]] | DynamicTree, trees: list[TreeBuffers] | None):
         """The tree spec and static trees cut to the depth the heads' drafts have been used to lately."""
@@ -60,8 +70,10 @@ class StepBudget:
                 draft.on_host()
             drafting_s = time.perf_counter() - started - augment_s
             draft_ms = (1000 * drafting_s, 1000 * augment_s / max(augmented, 1))
+        self.exploring = bool(self.explore)
+        width = self.explore.pop(0) if self.explore else None
         drafts, self.buckets = choose_nodes(drafts, self.acceptance, self.costs, self.budget.gate, draft_ms,
-                                            explore=self.budget.fixed is None, most=self.budget.widest)
+                                            explore=self.budget.fixed is None, most=self.budget.widest, width=width)
         return drafts
 
     def accepted(self, row: int, draft: Draft, nodes: torch.Tensor) -> None:
@@ -71,27 +83,38 @@ class StepBudget:
     def verified(self, rows: int, width: int, started: float) -> None:
         """Refine the costs with this step's time since `started` (before the verify forward) for `rows` x `width` tokens."""
         if self.budget.fixed is None:
-            self.costs.observe(rows, width, 1000 * (time.perf_counter() - started))
+            ms = 1000 * (time.perf_counter() - started)
+            timed = self.costs.ms.get(rows, {})
+            if self.exploring and width not in timed:
+                self.costs.record(rows, width, ms)
+            else:
+                self.costs.observe(rows, width, ms)
 
     def save(self) -> None:
         self.budget.save(self.key)
 
 
 def choose_nodes(drafts: list[Draft], acceptance: AcceptanceModel, costs: CostModel, gate,
-                 draft_ms: tuple[float, float] | None, explore: bool, most: int | None = None
+                 draft_ms: tuple[float, float] | None, explore: bool, most: int | None = None, width: int | None = None
                  ) -> tuple[list[Draft], list[list[int]]]:
     """Cut each row's draft to the nodes that pay: the width with the most expected tokens per
     millisecond under `costs` (`explore`: retrying widths untimed for long), each row keeping its
     likeliest nodes. Returns the cut drafts and each node's acceptance bucket. When the heads
     drafted (`draft_ms`: their drafting time, and the Augmenting Block's per position), tells
-    `gate` how that compared with the chain alone. `most`: verify at most this many tokens per row."""
+    `gate` how that compared with the chain alone. `most`: verify at most this many tokens per row;
+    `width`: this many (or the whole draft), whatever the costs say (to learn that width's cost; the
+    gate then learns nothing)."""
     buckets, chances = [], []
     for d in drafts:
         depths, parents, probs, is_chain = d.on_host()
         b = acceptance.buckets(depths, probs, is_chain, d.ngram)
         buckets.append(b)
         chances.append(path_chances(acceptance.rates(b), parents)[1:])
-    width, tokens, ms = choose_width(chances, costs, explore, most)
+    forced = width is not None
+    if forced:
+        width = min(width, most or width)
+    else:
+        width, tokens, ms = choose_width(chances, costs, explore, most)
     cut, cut_buckets = [], []
     for d, b, c in zip(drafts, buckets, chances):
         if width >= len(b):
@@ -104,7 +127,7 @@ def choose_nodes(drafts: list[Draft], acceptance: AcceptanceModel, costs: CostMo
             nodes = likeliest(c, width)
             cut.append(d.keep(nodes))
             cut_buckets.append([b[i] for i in nodes])
-    if draft_ms is not None:
+    if draft_ms is not None and not forced:
         chain_only = [[x if chain else 0.0 for x, chain in zip(c, d.host[3][1:])] for c, d in zip(chances, drafts)]
         _, chain_tokens, chain_ms = choose_width(chain_only, costs)
         gate.record(*draft_ms, tokens, ms, chain_tokens / chain_ms)

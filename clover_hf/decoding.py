@@ -155,8 +155,8 @@ def clover_generate(
     config's `accelerator_dynamic_tree` where it has one.
     `clover_budget` (a `DraftBudget`) verifies, each step, only the nodes that pay on this machine,
     and drafts with the heads only while that pays; None verifies the whole tree every step.
-    `clover_calibrate` (None: when this machine's costs are not known yet; True: again; False: never)
-    times a few verify forwards first.
+    `clover_calibrate`: None learns the verify costs not known yet from the first steps; True times
+    them all again first; False never measures.
     `generate` does not hand its `streamer` to custom callables, so it arrives as `clover_streamer`.
     `clover_profile=True` records wall time per stage in `stats.stage_seconds`.
     `clover_int8_draft` drafts from int8 lm_head rows (`DraftHeads.draft_lm_head`); default: on the CPU in bf16.

@@ -34,6 +34,7 @@ import time
 import types
 import warnings
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
@@ -213,33 +214,51 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, for
 
 
 class WeightCopies:
-    """The weight copies the forms in COPIES compute from: one per layer, made when first used and kept
-    while the layer lives, made again when its weight changes (a training step, `.to()`). Holds at most
-    `limit` bytes: past that a layer gets no copy, and its form computes without one."""
+    """The weight copies the forms in COPIES compute from: one per layer, made for all layers at once
+    (`prepare`) and kept while the layer lives, made again when its weight changes (a training step,
+    `.to()`). Holds at most `limit` bytes: past that a layer gets no copy, and its form computes
+    without one."""
 
     def __init__(self, limit: int = 0) -> None:
         self.limit = limit
         self.nbytes = 0
-        self._copies: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, torch.Tensor, int]] = weakref.WeakKeyDictionary()
+        self._copies: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, torch.Tensor | None, int]] = (
+            weakref.WeakKeyDictionary())
+
+    @staticmethod
+    def _stamp(layer: nn.Linear, form: str) -> tuple:
+        w = layer.weight
+        return form, w.data_ptr(), w._version, w.dtype, w.device, tuple(w.shape)
 
     def get(self, layer: nn.Linear, form: str) -> torch.Tensor | None:
-        """`layer`'s copy for `form`, made now if it has none (None where it would not fit)."""
-        w = layer.weight
-        stamp = (form, w.data_ptr(), w._version, w.dtype, w.device, tuple(w.shape))
+        """`layer`'s copy for `form`, where `prepare` made one for its weight as it is now."""
         entry = self._copies.get(layer)
-        if entry is not None and entry[0] == stamp:
-            return entry[1]  # None: a weight this form cannot copy (remembered, not checked every product)
-        if entry is not None:
-            del self._copies[layer]
+        return entry[1] if entry is not None and entry[0] == self._stamp(layer, form) else None
+
+    def prepare(self, layers: Iterable[nn.Linear], form: str) -> None:
+        """Make the layers' copies for `form` that are missing or stale, as many as fit in `limit`
+        (largest first), in as many threads as torch computes with: FBGEMM packs in one thread, 1.7 s
+        for SmolLM2-135M's weights on the AVX2-only EPYC, 1.2 s in two."""
+        # a layer whose weight this form cannot copy keeps its None: not tried again while the weight stays
+        todo = [m for m in layers if m not in self._copies or self._copies[m][0] != self._stamp(m, form)]
+        for m in todo:
+            self._copies.pop(m, None)
         self.nbytes = sum(size for _, _, size in self._copies.values())  # layers freed since drop out
-        size = copy_nbytes(w, form)
-        if self.nbytes + size > self.limit:
-            return None
-        copy = make_copy(w, form)
-        size = 0 if copy is None else size
-        self._copies[layer] = (stamp, copy, size)
-        self.nbytes += size
-        return copy
+        fits = []
+        for m in sorted(todo, key=lambda m: -m.weight.numel()):
+            size = copy_nbytes(m.weight, form)
+            if self.nbytes + size <= self.limit:
+                fits.append(m)
+                self.nbytes += size
+        if not fits:
+            return
+        with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+            made = list(pool.map(lambda m: make_copy(m.weight, form), fits))
+        for m, copy in zip(fits, made):
+            size = 0 if copy is None else copy_nbytes(m.weight, form)  # None: a weight this form cannot copy
+            self._copies[m] = (self._stamp(m, form), copy, size)
+            if copy is None:
+                self.nbytes -= copy_nbytes(m.weight, form)
 
     def clear(self) -> None:
         self._copies.clear()
@@ -317,6 +336,8 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0
         exact = sum(w.numel() for w in weights_all if float16_exact(w))
         if exact < FLOAT16_SHARE * sum(w.numel() for w in weights_all):
             copying.remove(FLOAT16_PACKED)
+    if {FLOAT32_COPY, FLOAT32_PACKED, FLOAT16_PACKED} & set(copying):  # the same float32 products, converting
+        candidates = [f for f in candidates if f not in (FLOAT32, FLOAT32_TRANSPOSED)]  # the weight every time
     candidates += copying
     # timed on a copy of the shape's first weight (the base's, before its heads'), one float16 holds where it does not
     copies = {(key, form): make_copy(w if form != FLOAT16_PACKED or float16_exact(w) else w.half().to(dtype), form)
@@ -349,7 +370,7 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0
             chosen[n] = best
         if NATIVE in ms and ms[NATIVE] >= NATIVE_BEHIND * ms[LINEAR]:
             candidates.remove(NATIVE)
-        if best in (FLOAT32, FLOAT32_TRANSPOSED, FLOAT32_COPY, FLOAT32_PACKED) and ms[best] <= SETTLED * ms[LINEAR]:
+        if best in (FLOAT32, FLOAT32_TRANSPOSED, FLOAT32_COPY, FLOAT32_PACKED, FLOAT16_PACKED) and ms[best] <= SETTLED * ms[LINEAR]:
             # converting the weight is a fixed cost that more rows share further: no need to time them
             # (in bf16 on an AVX2 CPU, the larger row counts took half the timing)
             settled = n
@@ -407,8 +428,8 @@ def copy_form(forms: LinearForms) -> str | None:
 def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: WeightCopies | None = None
                  ) -> Iterator[None]:
     """Within the block, the models' plain nn.Linear layers compute in the form `forms` gives each
-    input's row count; forms that compute from a weight copy take it from `copies` (made there when
-    first used; without `copies`, or where one would not fit, they compute without one)."""
+    input's row count; forms that compute from a weight copy take it from `copies` (made there as
+    the block starts, where missing; without `copies`, or where one would not fit, they compute without one)."""
     if not forms:
         yield
         return
@@ -420,6 +441,8 @@ def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: Weight
         return form_linear(x, self.weight, self.bias, form, copy)
 
     layers = list({id(m): m for model in models for m in _linears(model)}.values())  # a layer listed twice once
+    if copies is not None and copy_form(forms) is not None:
+        copies.prepare(layers, copy_form(forms))
     for m in layers:
         m.forward = types.MethodType(forward, m)
     try:

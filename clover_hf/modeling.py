@@ -270,10 +270,12 @@ class CloverForCausalLM(nn.Module):
         verify forward measured here and acceptance calibrated as decoding goes. "full": the whole
         tree every step. "one-token": one token a step in the forms "auto" multiplies with, no drafting
         (what speculation adds is Clover against this). A `CostModel` fixes the costs (nothing is
-        measured). The first "auto" call on
-        a new (base, dtype, device, threads, CPU) times a few forwards, a few seconds, and keeps the
-        costs in the user cache ($CLOVER_HF_CACHE or ~/.cache/clover_hf); `calibrate=True` measures
-        again, `calibrate=False` never measures (without stored costs the whole tree is verified).
+        measured). The first "auto" call on a new (base, dtype, device, threads, CPU) times how this
+        machine multiplies (about a second) and learns the verify costs from its own first steps,
+        each verifying one width it has no cost for yet; the costs are kept in the user cache
+        ($CLOVER_HF_CACHE or ~/.cache/clover_hf). `calibrate=True` times every width again up front
+        (a few seconds), `calibrate=False` never measures (without stored costs the whole tree is
+        verified).
 
         `tree` overrides the heads' draft tree for this call (Medusa paths, or a dynamic tree as
         `{"depth": 4, "width": 4, "nodes": 16}`), `lookup` the length of the prompt-lookup chain

@@ -65,7 +65,7 @@ def test_costs_are_kept_per_key(tmp_path):
     assert load_costs("machine A", tmp_path) is None  # a damaged file is measured again, not fatal
 
 
-def test_budget_measures_only_what_it_does_not_know(tmp_path):
+def test_budget_learns_unknown_costs_from_steps_and_times_them_only_when_asked(tmp_path):
     calls, planned = [], []
 
     def measure(width: int) -> float:
@@ -79,34 +79,34 @@ def test_budget_measures_only_what_it_does_not_know(tmp_path):
     budget = DraftBudget(cache_dir=tmp_path)
     assert budget.forms("m", None, forms) == {2: "transposed"} and len(planned) == 1  # the forms come first
     costs = budget.costs("m", rows=1, limit=11, measure=measure, calibrate=None)
-    assert calls[0] == 1 and sorted(set(calls)) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11]  # warm-up, then each width
-    assert len(calls) == 1 + 10 + 2 * 8  # widths up to 8 measured thrice; the fastest counts
-    assert costs.forms == {2: "transposed"}
-    assert costs.predict(1, 11) == 26.0 and costs.predict(1, 8) == 18.0  # narrow widths: the fastest of three
-    calls.clear()
-    assert budget.forms("m", None, forms) == {2: "transposed"} and len(planned) == 1
-    assert budget.costs("m", 1, 11, measure, None) is costs and calls == []  # known: nothing measured
+    assert calls == [] and costs.untimed(1, 11) == [1, 2, 3, 4, 6, 8, 11]  # nothing timed: the steps will learn them
+    for width in (1, 2, 3):  # three steps of a call learn three widths
+        costs.record(1, width, 10.0 + width)
+    assert costs.untimed(1, 11) == [4, 6, 8, 11] and costs.untimed(2, 11)[0] == 1  # per batch size
+    budget.save("m")
     fresh = DraftBudget(cache_dir=tmp_path)  # a new process reads the cache
     assert fresh.forms("m", None, forms) == {2: "transposed"} and len(planned) == 1
     again = fresh.costs("m", 1, 11, measure, None)
-    assert calls == [] and again.ms == costs.ms and again.forms == {2: "transposed"}
+    assert calls == [] and again.ms == {1: {1: 11.0, 2: 12.0, 3: 13.0}} and again.untimed(1, 11) == [4, 6, 8, 11]
     forced = DraftBudget(cache_dir=tmp_path)
     forced.forms("m", True, forms)
-    forced.costs("m", 1, 11, measure, calibrate=True)
-    assert len(calls) == 1 + 10 + 2 * 8 and len(planned) == 2  # forced: forms and every width again
+    timed = forced.costs("m", 1, 11, measure, calibrate=True)
+    assert calls[0] == 1 and sorted(set(calls)) == [1, 2, 3, 4, 6, 8, 11]  # warm-up, then each calibrated width
+    assert len(calls) == 1 + 7 + 4 and len(planned) == 2  # forced: forms and every width, up to 4 twice
+    assert timed.predict(1, 11) == 26.0 and timed.predict(1, 4) == 14.0  # narrow widths: the faster of two
     calls.clear()
     skipped = DraftBudget(cache_dir=tmp_path)
     assert skipped.forms("other", False, forms) == {} and skipped.costs("other", 1, 11, measure, False) is None
     assert calls == [] and len(planned) == 2  # skipped: nothing measured, and without stored costs no budget
 
 
-def test_costs_stored_before_linear_forms_were_chosen_are_measured_again(tmp_path):
+def test_costs_stored_before_linear_forms_were_chosen_are_learnt_again(tmp_path):
     save_costs("m", CostModel({1: {1: 50.0, 4: 90.0, 8: 95.0}}), tmp_path)
     assert load_costs("m", tmp_path).forms is None
-    budget, calls = DraftBudget(cache_dir=tmp_path), []
+    budget = DraftBudget(cache_dir=tmp_path)
     assert budget.forms("m", None, lambda _: {4: "float32"}) == {4: "float32"}
-    costs = budget.costs("m", 1, 8, lambda w: calls.append(w) or 20.0 + w, None)
-    assert costs.predict(1, 8) == 28.0 and 8 in calls
+    costs = budget.costs("m", 1, 8, lambda w: pytest.fail("timed up front"), None)
+    assert costs.ms == {} and costs.untimed(1, 8) == [1, 2, 3, 4, 6, 8]
     assert load_costs("m", tmp_path).forms == {4: "float32"}
 
 
@@ -114,13 +114,13 @@ def test_forms_that_change_on_recalibration_drop_curves_timed_under_the_old_ones
     budget = DraftBudget(cache_dir=tmp_path)
     measure = lambda width: 10.0 + width  # noqa: E731
     budget.forms("m", None, lambda _: {4: "transposed"})
-    budget.costs("m", 2, 4, measure, None)
+    budget.costs("m", 2, 4, measure, True)
     assert budget.forms("m", None, lambda _: {2: "transposed"}) == {4: "transposed"}  # stored forms kept
-    assert set(budget.costs("m", 1, 4, measure, None).ms) == {1, 2}
+    assert set(budget.costs("m", 1, 4, measure, True).ms) == {1, 2}
     assert budget.forms("m", True, lambda _: {4: "transposed"}) == {4: "transposed"}  # the same again: curves kept
     assert set(budget.costs("m", 1, 4, measure, None).ms) == {1, 2}
     budget.forms("m", True, lambda _: {8: "float32"})
-    assert set(budget.costs("m", 1, 4, measure, None).ms) == {1}
+    assert set(budget.costs("m", 1, 4, measure, True).ms) == {1}
 
 
 def test_acceptance_learns_per_bucket():
@@ -334,7 +334,7 @@ def test_budget_follows_a_copying_text_with_long_chains():
     assert max(clover.generation_stats.accepted_lengths) > 8  # beyond the heads' depth: a long chain
 
 
-def test_auto_budget_calibrates_once_and_stays_exact(tmp_path, monkeypatch):
+def test_auto_budget_learns_its_costs_in_the_first_call_and_stays_exact(tmp_path, monkeypatch):
     monkeypatch.setenv("CLOVER_HF_CACHE", str(tmp_path))
     base = tiny_model("qwen2")
     clover = CloverForCausalLM.from_base(base, lookup_tokens=2, lookup_max_tokens=4)
@@ -344,7 +344,9 @@ def test_auto_budget_calibrates_once_and_stays_exact(tmp_path, monkeypatch):
     stored = json.loads((tmp_path / COSTS_FILE).read_text())
     (key, curves), = stored.items()
     assert "float32" in key and torch.backends.cpu.get_cpu_capability() in key
-    assert max(int(w) for w in curves["1"]) == len(clover.clover_config.tree) + 1 + 4  # the widest tree + chain
+    widths = {int(w) for w in curves["1"]}  # its first steps verified the calibrated widths, one each
+    assert {1, 2, 3, 4, 6, 8, 12, 16, 24} <= widths and max(widths) <= len(clover.clover_config.tree) + 1 + 4
+    assert clover.generation_stats.verified_per_step > 2  # the widths were verified by the steps themselves
     assert same(clover.generate(ids, max_new_tokens=20, do_sample=False, calibrate=False), ref)
 
 

@@ -261,8 +261,8 @@ def test_float16_copies_only_of_weights_float16_holds_exactly():
     with torch.no_grad():
         layer.weight.copy_(inexact)
     copies = WeightCopies(limit=10**6)
-    assert copies.get(layer, "float16_packed") is None and copies.get(layer, "float16_packed") is None
-    assert copies.nbytes == 0
+    copies.prepare([layer], "float16_packed")
+    assert copies.get(layer, "float16_packed") is None and copies.nbytes == 0
 
 
 @pytest.mark.parametrize("dtype,form", ALL_COPIES)
@@ -284,19 +284,24 @@ def test_weight_copies_are_made_once_bounded_and_made_again_when_the_weight_chan
 
     made = []
     monkeypatch.setattr(linears, "make_copy", lambda w, form: made.append(form) or w.detach().float().clone())
-    a, b = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
-    copies = WeightCopies(limit=copies_nbytes([a], "float32_copy"))  # room for one layer's copy
+    a, b = torch.nn.Linear(16, 8), torch.nn.Linear(16, 4)
+    copies = WeightCopies(limit=copies_nbytes([a], "float32_copy"))  # room for the larger layer's copy only
+    copies.prepare([b, a], "float32_copy")
     first = copies.get(a, "float32_copy")
-    assert copies.get(a, "float32_copy") is first and made == ["float32_copy"]  # kept
-    assert copies.get(b, "float32_copy") is None and copies.nbytes == 16 * 8 * 4  # would not fit
+    assert first is not None and copies.get(b, "float32_copy") is None and copies.nbytes == 16 * 8 * 4
+    copies.prepare([b, a], "float32_copy")
+    assert copies.get(a, "float32_copy") is first and made == ["float32_copy"]  # kept, not made again
     with torch.no_grad():
         a.weight.add_(1.0)  # a training step: the copy is stale
+    assert copies.get(a, "float32_copy") is None
+    copies.prepare([a], "float32_copy")
     assert torch.equal(copies.get(a, "float32_copy"), a.weight) and len(made) == 2
     del a
     import gc
 
     gc.collect()
-    assert copies.get(b, "float32_copy") is not None  # the freed layer's copy went with it
+    copies.prepare([b], "float32_copy")
+    assert copies.get(b, "float32_copy") is not None and copies.nbytes == 16 * 4 * 4  # the freed layer's went with it
 
 
 def test_one_kind_of_weight_copy_is_chosen(monkeypatch):
