@@ -54,6 +54,7 @@ WITHOUT_COPY = {PACKED: LINEAR, FLOAT32_COPY: FLOAT32_TRANSPOSED, FLOAT32_PACKED
 FORMS = (LINEAR, TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED, NATIVE, *COPIES)
 PACK_ROWS = 16  # the row count oneDNN lays a packed weight out for (verify forwards of a few to tens of tokens)
 FLOAT16_SHARE = 0.9  # float16 copies are tried where float16 holds at least this share of the weights exactly
+MIN_COPY_COUNTS = 2  # a kind of copy is kept only where chosen at this many row counts up to PACK_ROWS
 COPY_GAIN = 0.9  # a form that needs a weight copy must also take at most this share of the best form without one
 ONE_ROW_GAIN = 0.8  # at one row a form must take at most this share of F.linear's time (timing weights alone
 # misled by a few percent there: whole one-token forwards are what counts)
@@ -386,9 +387,12 @@ def _one_kind_of_copy(chosen: dict[int, str], timings: dict[int, dict[str, float
                       ) -> dict[int, str]:
     """`chosen` with at most one of the COPIES forms: the one that saved the most time over the row
     counts up to PACK_ROWS it was chosen at (verify forwards, every step; a prefill's many rows come
-    once a call); those that chose another take their best form of the rest."""
+    once a call), and none unless it was chosen at MIN_COPY_COUNTS of those at least (a copy of
+    every weight for one row count's gain is not worth its memory: float32 on the AVX2-only EPYC
+    chose oneDNN's packed copies at 8 rows alone). The row counts that chose another take their best
+    form of the rest."""
     kinds = {form for form in chosen.values() if form in COPIES}
-    if len(kinds) <= 1:
+    if not kinds:
         return chosen
 
     def saved(kind: str) -> float:
@@ -396,6 +400,8 @@ def _one_kind_of_copy(chosen: dict[int, str], timings: dict[int, dict[str, float
                    if form == kind and n in timings and n <= PACK_ROWS)
 
     keep = max(sorted(kinds), key=saved)
+    if sum(form == keep and n <= PACK_ROWS for n, form in chosen.items()) < MIN_COPY_COUNTS:
+        keep = None
     out = {}
     for n, form in chosen.items():
         if form in COPIES and form != keep:

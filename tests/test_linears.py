@@ -367,3 +367,18 @@ def test_greedy_stays_exact_when_weight_copies_do_not_fit():
         budget = DraftBudget(costs=costs, weight_copies=weight_copies)
         assert same(clover.generate(ids, max_new_tokens=30, do_sample=False, budget=budget), ref)
         assert budget.copies.nbytes <= limit and (budget.copies.nbytes > 0) == (weight_copies is not False)
+
+
+def test_a_weight_copy_chosen_at_one_verify_row_count_alone_is_not_kept(monkeypatch):
+    """A copy of every weight for the gain at one row count is not worth its memory: that count takes its
+    best form without a copy."""
+    import clover_hf.linears as linears
+
+    monkeypatch.setattr(linears, "onednn_packs", lambda: True)
+    cost = {"linear": 1.0, "transposed": 0.85, "packed": 0.85}
+    _fake_timings(monkeypatch, lambda rows, form: rows * (0.5 if form == "packed" and rows == 8 else cost[form]))
+    model = tiny_model("llama")
+    limit = copies_nbytes([model], "packed")
+    assert faster_forms([model], copy_limit=limit) == {n: "transposed" for n in EVERY}
+    cost["packed"] = 0.6  # faster at every count from 2 rows: kept
+    assert faster_forms([model], copy_limit=limit) == {n: "packed" for n in EVERY}
