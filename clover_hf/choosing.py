@@ -19,6 +19,9 @@ from .tree import DynamicTree, TreeBuffers
 from .verification import base_forward
 
 
+EXPLORE_LIMIT = 3.0  # the first steps stop learning wider widths once one costs this many one-token steps
+
+
 class StepBudget:
     """A `DraftBudget` at work in one generate call, with the costs it has for this machine and batch."""
 
@@ -87,6 +90,9 @@ class StepBudget:
             timed = self.costs.ms.get(rows, {})
             if self.exploring and width not in timed:
                 self.costs.record(rows, width, ms)
+                one = self.costs.ms[rows].get(1)
+                if one is not None and ms > EXPLORE_LIMIT * one:  # wider ones cost more still: no use timing them
+                    self.explore.clear()
             else:
                 self.costs.observe(rows, width, ms)
 

@@ -409,3 +409,20 @@ def test_weight_copies_setting_is_checked_and_keys_the_costs():
     assert DraftBudget(weight_copies=False).copy_limit() == 0 and DraftBudget(weight_copies=123).copy_limit() == 123
     assert DraftBudget().copy_limit() > 0  # half of the memory available
     assert DraftBudget().key_suffix() != DraftBudget(weight_copies=False).key_suffix()
+
+
+def test_first_steps_stop_learning_wider_widths_once_one_costs_three_one_token_steps():
+    import time
+
+    from clover_hf.budget import AcceptanceModel
+    from clover_hf.choosing import EXPLORE_LIMIT, StepBudget
+
+    budget = DraftBudget(cache_dir="unused")  # nothing is saved here
+    step = StepBudget(budget, "k", CostModel(), AcceptanceModel(3, 4), depth=3, lookup_max=4, explore=[1, 2, 4, 8])
+    for width, ms in ((1, 10.0), (2, 12.0), (4, 10.0 * EXPLORE_LIMIT + 5.0)):
+        assert step.explore[0] == width
+        step.exploring = bool(step.explore)
+        step.explore.pop(0)
+        step.verified(1, width, time.perf_counter() - ms / 1000)
+    assert step.explore == [] and set(step.costs.ms[1]) == {1, 2, 4}  # 8 is left untimed: dearer still
+    assert step.costs.ms[1][4] >= 10.0 * EXPLORE_LIMIT
