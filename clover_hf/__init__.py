@@ -22,4 +22,4 @@ __all__ = [
     "DynamicTree",
     "clover_generate",
 ]
-__version__ = "0.9.1"
+__version__ = "0.10.0"

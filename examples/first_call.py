@@ -1,0 +1,55 @@
+"""What a first `generate` call costs on a machine with no stored costs, against plain `generate`.
+
+Each timed batch gets a new `DraftBudget` with an empty cost cache, so its first Clover call times how
+the machine multiplies, makes the weight copies and learns the verify costs from its own steps, as a
+user's first call does; the second call then runs with all of that known. Plain `generate` is timed
+before and after, and the ratios are against their mean:
+
+    python examples/first_call.py --batch-size 4 --batches 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+from clover_hf.bench import encode_batches, read_prompts
+from clover_hf.budget import DraftBudget
+from clover_hf.embedded import load_default
+from clover_hf.hardware import default_dtype, describe_machine
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--batches", type=int, default=2)
+    parser.add_argument("--first-prompt", type=int, default=10, help="MT-Bench first turns from this index")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    dtype = default_dtype("cpu") if args.dtype == "auto" else getattr(torch, args.dtype)
+    model, tokenizer = load_default(dtype)
+    count = args.batch_size * args.batches
+    prompts = read_prompts("mtbench", args.first_prompt + count)[args.first_prompt:]
+    batches = encode_batches(tokenizer, prompts, args.batch_size, model.device)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    model.base_model.generate(**batches[0], max_new_tokens=4, do_sample=False)  # plain's own warm-up
+    print(f"machine: {describe_machine()}; {dtype}; batch {args.batch_size}")
+    for k, inputs in enumerate(batches):
+        with tempfile.TemporaryDirectory() as empty:
+            model.budget = DraftBudget(cache_dir=empty)  # a machine with no stored costs
+            times = []
+            for run in (model.base_model.generate, model.generate, model.generate, model.base_model.generate):
+                start = time.perf_counter()
+                run(**inputs, **kwargs)
+                times.append(time.perf_counter() - start)
+        plain = (times[0] + times[3]) / 2
+        print(f"batch {k + 1}: plain {times[0]:.2f} / {times[3]:.2f} s; Clover's first call {times[1]:.2f} s "
+              f"({plain / times[1]:.2f}x plain), second {times[2]:.2f} s ({plain / times[2]:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
