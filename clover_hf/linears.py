@@ -308,9 +308,10 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0
     Tried: W @ x.T (at one row too, for float32 weights: padded to two rows); for half-precision
     weights the float32 forms from 2 rows and ATen's own kernel ("native", where oneDNN serves their
     dtype); from 2 rows, the forms that compute from a weight copy whose copies of every layer fit in
-    `copy_limit` bytes: oneDNN's blocked layout where oneDNN computes the weights' dtype, else float32
-    copies, where they take at most COPY_GAIN of the best form's time without a copy. One kind of copy at
-    most is chosen (the one that gains most), so the copies are made once.
+    `copy_limit` bytes (`copy_forms_for`: oneDNN's blocked layout where oneDNN computes the weights'
+    dtype, float16 copies of half-precision weights float16 holds, else float32 copies), where they
+    take at most COPY_GAIN of the best form's time without a copy. One kind of copy at most is chosen
+    (`_one_kind_of_copy`), so the copies are made once.
     Once a float32 form takes at most SETTLED of F.linear's time, larger counts keep it untimed; once
     the native form takes NATIVE_BEHIND times it, larger counts skip it (ATen's kernel falls further
     behind oneDNN's with more rows). CPU only: elsewhere, none."""
@@ -328,20 +329,7 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0
         return {}
     dtype = next(iter(weights.values())).dtype
     half = dtype in (torch.float16, torch.bfloat16)
-    candidates = [TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED] if half else [TRANSPOSED]
-    if half and onednn_serves(dtype):
-        candidates.append(NATIVE)
-    copying = [f for f in copy_forms_for(dtype) if copies_nbytes(models, f) <= copy_limit]
-    if FLOAT16_PACKED in copying:  # a layer whose weight float16 cannot hold computes without a copy: worth it
-        weights_all = [w for model in models for w in _weights(model)]  # only where most weights convert
-        exact = sum(w.numel() for w in weights_all if float16_exact(w))
-        if exact < FLOAT16_SHARE * sum(w.numel() for w in weights_all):
-            copying.remove(FLOAT16_PACKED)
-        else:  # float32 copies compute the same float32 products reading twice the bytes: not timed
-            copying = [f for f in copying if f not in (FLOAT32_COPY, FLOAT32_PACKED)]
-    if {FLOAT32_COPY, FLOAT32_PACKED, FLOAT16_PACKED} & set(copying):  # the same float32 products, converting
-        candidates = [f for f in candidates if f not in (FLOAT32, FLOAT32_TRANSPOSED)]  # the weight every time
-    candidates += copying
+    candidates, copying = _candidates(models, dtype, copy_limit)
     # timed on a copy of the shape's first weight (the base's, before its heads'), one float16 holds where it does not
     copies = {(key, form): make_copy(w if form != FLOAT16_PACKED or float16_exact(w) else w.half().to(dtype), form)
               for key, w in weights.items() for form in copying}
@@ -383,6 +371,26 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0
             break
         n *= 2
     return _one_kind_of_copy(chosen, timings, settled_at)
+
+
+def _candidates(models: list[nn.Module], dtype: torch.dtype, copy_limit: int) -> tuple[list[str], list[str]]:
+    """The forms to time for weights of `dtype` besides F.linear, and which of them compute from copies
+    (those whose copies of every layer fit in `copy_limit` bytes)."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    candidates = [TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED] if half else [TRANSPOSED]
+    if half and onednn_serves(dtype):
+        candidates.append(NATIVE)
+    copying = [f for f in copy_forms_for(dtype) if copies_nbytes(models, f) <= copy_limit]
+    if FLOAT16_PACKED in copying:  # a layer whose weight float16 cannot hold computes without a copy: worth it
+        weights = [w for model in models for w in _weights(model)]  # only where most weights convert
+        exact = sum(w.numel() for w in weights if float16_exact(w))
+        if exact < FLOAT16_SHARE * sum(w.numel() for w in weights):
+            copying.remove(FLOAT16_PACKED)
+        else:  # float32 copies compute the same float32 products reading twice the bytes: not timed
+            copying = [f for f in copying if f not in (FLOAT32_COPY, FLOAT32_PACKED)]
+    if {FLOAT32_COPY, FLOAT32_PACKED, FLOAT16_PACKED} & set(copying):  # the same float32 products, converting
+        candidates = [f for f in candidates if f not in (FLOAT32, FLOAT32_TRANSPOSED)]  # the weight every time
+    return candidates + copying, copying
 
 
 def _one_kind_of_copy(chosen: dict[int, str], timings: dict[int, dict[str, float]], settled_at: dict[int, int]
