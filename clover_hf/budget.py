@@ -121,13 +121,15 @@ class CostModel:
             curve[width] = self.predict(rows, width) if curve else ms
         weight = max(self.smoothing, self.staleness(rows, width))
         curve[width] += weight * (min(ms, OUTLIER * curve[width]) - curve[width])
-        self.timed_ms += ms
-        self.timed_at.setdefault(rows, {})[width] = self.timed_ms
+        self._timed(rows, width, ms)
 
     def record(self, rows: int, width: int, ms: float) -> None:
         """Take one timed step as the cost of a width not timed for `rows` rows before (a first call
         learns its costs from its own steps)."""
         self.ms.setdefault(rows, {})[width] = ms
+        self._timed(rows, width, ms)
+
+    def _timed(self, rows: int, width: int, ms: float) -> None:
         self.timed_ms += ms
         self.timed_at.setdefault(rows, {})[width] = self.timed_ms
 
@@ -392,8 +394,8 @@ class DraftBudget:
     `$CLOVER_HF_CACHE` or ~/.cache/clover_hf).
 
     `weight_copies`: the memory the linear forms may spend on copies of the base's weights made once
-    (oneDNN's blocked layout, or float32 copies of bf16 weights on CPUs without native bf16; see
-    linears.py). True: at most `COPY_SHARE` of the memory available when they are made; an int: at
+    (oneDNN's blocked layout; float16 or float32 copies of bf16 weights on CPUs without native bf16;
+    see linears.py). True: at most `COPY_SHARE` of the memory available when they are made; an int: at
     most that many bytes; False: none. `widest`: verify at most this many tokens per row each step (1:
     plain decoding steps in Clover's kernels, no drafting: what speculation adds is measured against it).
     """
@@ -486,11 +488,10 @@ class DraftBudget:
         if calibrate:
             widths = [w for w in CALIBRATED if w < limit] + [limit]
             curve = costs.ms.setdefault(rows, {})
-            todo = widths
             measure(1)  # warm-up: the first forward of a process pays for one-off set-up
-            for w in todo:
+            for w in widths:
                 curve[w] = measure(w)
-            for w in todo:  # narrow widths once more, keeping the faster: one slow forward must not
+            for w in widths:  # narrow widths once more, keeping the faster: one slow forward must not
                 if w <= NARROW:  # rule out a width the budget may well choose
                     curve[w] = min(curve[w], measure(w))
             save_costs(key, costs, self.cache_dir)
