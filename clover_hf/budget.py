@@ -410,6 +410,7 @@ class DraftBudget:
         self.cache_dir = cache_dir
         self.weight_copies = weight_copies
         self.widest = widest
+        self.cut = True  # False: the whole tree every step, in this budget's linear forms (`whole_tree`)
         self.copies = WeightCopies()
         self._costs: dict[str, CostModel] = {}
         self._acceptance: dict[tuple, AcceptanceModel] = {}
@@ -419,6 +420,12 @@ class DraftBudget:
         """This budget verifying one token a step: the same costs, forms and weight copies (shared, not copied)."""
         view = copy.copy(self)
         view.widest = 1
+        return view
+
+    def whole_tree(self) -> "DraftBudget":
+        """This budget verifying the whole tree every step, in its linear forms and weight copies (shared)."""
+        view = copy.copy(self)
+        view.cut = False
         return view
 
     def copy_limit(self) -> int:

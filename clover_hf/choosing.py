@@ -37,9 +37,9 @@ class StepBudget:
     def start(cls, budget: DraftBudget | None, key: str | None, calibrate: bool | None, model: PreTrainedModel,
               batch: Batch, widest: int, depth: int, lookup_max: int, sample: bool) -> StepBudget | None:
         """The budget for this call with its verify costs: those not known yet are learnt from the first
-        steps, or timed now (`calibrate`: see `DraftBudget.costs`); None without a budget or costs, when
-        the whole tree is verified every step."""
-        if budget is None or not batch.active:
+        steps, or timed now (`calibrate`: see `DraftBudget.costs`); None without a budget or costs, or
+        for a budget that does not cut (`DraftBudget.whole_tree`): the whole tree is verified every step."""
+        if budget is None or not budget.cut or not batch.active:
             return None
         widest = min(widest, budget.widest or widest)
         rows = len(batch.active)

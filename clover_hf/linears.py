@@ -49,8 +49,9 @@ LINEAR, TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED, NATIVE = "linear", "transposed"
 # copy packed for FBGEMM (of weights float16 holds exactly; computed in float32)
 PACKED, FLOAT32_COPY, FLOAT32_PACKED, FLOAT16_PACKED = "packed", "float32_copy", "float32_packed", "float16_packed"
 COPIES = (PACKED, FLOAT32_COPY, FLOAT32_PACKED, FLOAT16_PACKED)
-WITHOUT_COPY = {PACKED: LINEAR, FLOAT32_COPY: FLOAT32_TRANSPOSED, FLOAT32_PACKED: FLOAT32,  # the same product, no copy
-                FLOAT16_PACKED: FLOAT32_TRANSPOSED}
+# the same product without a copy; a layer float16 cannot hold exactly (some of the heads' tiny weights) takes
+# F.linear, which in bf16 is faster than converting the weight to float32 for every product
+WITHOUT_COPY = {PACKED: LINEAR, FLOAT32_COPY: FLOAT32_TRANSPOSED, FLOAT32_PACKED: FLOAT32, FLOAT16_PACKED: LINEAR}
 FORMS = (LINEAR, TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED, NATIVE, *COPIES)
 PACK_ROWS = 16  # the row count oneDNN lays a packed weight out for (verify forwards of a few to tens of tokens)
 FLOAT16_SHARE = 0.9  # float16 copies are tried where float16 holds at least this share of the weights exactly
@@ -344,7 +345,7 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0
             continue
         ms = dict.fromkeys((LINEAR, *tried), 0.0)
         for key, weight in weights.items():
-            (shape, output) = key
+            output = key[1]
             if output and n > VERIFY_ROWS:  # a prefill keeps the logits of its last row only
                 continue
             x = torch.randn(n, weight.shape[1]).to(weight.dtype)

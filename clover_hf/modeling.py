@@ -268,7 +268,7 @@ class CloverForCausalLM(nn.Module):
         nodes with the most expected tokens per second on this machine, from none (a plain decoding
         step, and no drafting while the heads do not pay) to the whole tree, from a cost model of the
         verify forward measured here and acceptance calibrated as decoding goes. "full": the whole
-        tree every step. "one-token": one token a step in the forms "auto" multiplies with, no drafting
+        tree every step (in the linear forms "auto" multiplies with). "one-token": one token a step in the forms "auto" multiplies with, no drafting
         (what speculation adds is Clover against this). A `CostModel` fixes the costs (nothing is
         measured). The first "auto" call on a new (base, dtype, device, threads, CPU) times how this
         machine multiplies (about a second) and learns the verify costs from its own first steps,
@@ -324,10 +324,11 @@ class CloverForCausalLM(nn.Module):
             return DraftBudget(costs=budget)
         if budget == "auto":
             return self._draft_budget
+        own = self.budget if isinstance(self.budget, DraftBudget) else self._draft_budget  # its forms and weight copies
         if budget == "full":
-            return None
-        if budget == "one-token":  # the model's own budget where it was given one (its forms and weight copies)
-            return (self.budget if isinstance(self.budget, DraftBudget) else self._draft_budget).one_token()
+            return own.whole_tree()
+        if budget == "one-token":
+            return own.one_token()
         raise ValueError(f"budget must be 'auto', 'full', 'one-token', a CostModel or a DraftBudget, got {budget!r}")
 
     def _resolved_config(self, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:

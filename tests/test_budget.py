@@ -426,3 +426,21 @@ def test_first_steps_stop_learning_wider_widths_once_one_costs_three_one_token_s
         step.verified(1, width, time.perf_counter() - ms / 1000)
     assert step.explore == [] and set(step.costs.ms[1]) == {1, 2, 4}  # 8 is left untimed: dearer still
     assert step.costs.ms[1][4] >= 10.0 * EXPLORE_LIMIT
+
+
+def test_full_budget_verifies_the_whole_tree_in_the_forms_auto_uses():
+    """budget="full": no cut, but the linear forms and weight copies of the model's budget (not F.linear)."""
+    base = tiny_model("llama")
+    ids = prompt(3)
+    ref = base.generate(ids, max_new_tokens=20, do_sample=False)
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
+    steep = CostModel.from_function(lambda rows, width: 10.0 * rows * width, draft_ms=5.0)  # "auto" would not draft
+    steep.forms = {n: "float32_copy" for n in (2, 4, 8, 16, 32, 64)}
+    clover._draft_budget = DraftBudget(costs=steep)
+    full = clover._resolve_budget("full")
+    assert not full.cut and full.copies is clover._draft_budget.copies and clover._draft_budget.cut
+    assert same(clover.generate(ids, max_new_tokens=20, do_sample=False, budget="full"), ref)
+    assert clover.generation_stats.verified_per_step > len(clover.clover_config.tree) / 2  # the whole tree, uncut
+    assert clover._draft_budget.copies.nbytes > 0  # multiplied from the budget's float32 copies
+    assert same(clover.generate(ids, max_new_tokens=20, do_sample=False), ref)
+    assert clover.generation_stats.verified_per_step < 2  # "auto" cuts where verifying costs a forward a token
