@@ -418,15 +418,16 @@ class DraftBudget:
 
     def one_token(self) -> "DraftBudget":
         """This budget verifying one token a step: the same costs, forms and weight copies (shared, not copied)."""
-        view = copy.copy(self)
-        view.widest = 1
+        return self._view(widest=1)
+
+    def _view(self, **changes) -> "DraftBudget":
+        view = copy.copy(self)  # shallow: the costs, acceptance, gate and weight copies stay this budget's
+        view.__dict__.update(changes)
         return view
 
     def whole_tree(self) -> "DraftBudget":
         """This budget verifying the whole tree every step, in its linear forms and weight copies (shared)."""
-        view = copy.copy(self)
-        view.cut = False
-        return view
+        return self._view(cut=False)
 
     def copy_limit(self) -> int:
         """Bytes weight copies may take now: those made already, plus what `weight_copies` allows."""

@@ -54,8 +54,8 @@ class StepBudget:
     def drafting(self) -> bool:
         """Whether the heads draft this step (else the lookup chain alone is verified; never when one token
         is; always while learning the costs of wider steps, which need their drafts)."""
-        wider = [w for w in self.explore if w > 1]
-        return self.budget.widest != 1 and (bool(wider) or self.budget.gate.drafting())
+        wider = any(w > 1 for w in self.explore)
+        return self.budget.widest != 1 and (wider or self.budget.gate.drafting())
 
     def shallower(self, spec: list[list[int]] | DynamicTree, trees: list[TreeBuffers] | None):
         """The tree spec and static trees cut to the depth the heads' drafts have been used to lately."""

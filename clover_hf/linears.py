@@ -77,10 +77,6 @@ def _linears(model: nn.Module) -> list[nn.Linear]:
     return [m for m in model.modules() if type(m) is nn.Linear and "forward" not in m.__dict__]
 
 
-def _weights(model: nn.Module) -> list[torch.Tensor]:
-    return [m.weight for m in _linears(model)]
-
-
 def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias) as (weight @ x.T).T. Past `PAD_ROWS` rows, x gets zero rows up to a
     multiple of `PAD_ROWS`: on the AVX2 CPU above, 15 rows took 2.4x as long as 16 in this form. One row
@@ -330,9 +326,12 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0
         return {}
     dtype = next(iter(weights.values())).dtype
     half = dtype in (torch.float16, torch.bfloat16)
-    candidates, copying = _candidates(models, dtype, copy_limit)
+    exact = {key: float16_exact(w) for key, w in weights.items()} if FLOAT16_PACKED in copy_forms_for(dtype) else {}
+    size = {key: shapes[key] * w.numel() for key, w in weights.items()}  # each timed weight stands for this many elements
+    held = sum(size[key] for key, ok in exact.items() if ok) / sum(size.values())
+    candidates, copying = _candidates(models, dtype, copy_limit, held)
     # timed on a copy of the shape's first weight (the base's, before its heads'), one float16 holds where it does not
-    copies = {(key, form): make_copy(w if form != FLOAT16_PACKED or float16_exact(w) else w.half().to(dtype), form)
+    copies = {(key, form): make_copy(w if form != FLOAT16_PACKED or exact[key] else w.half().to(dtype), form)
               for key, w in weights.items() for form in copying}
     chosen, timings, settled_at, n = {}, {}, {}, 1
     while n <= MAX_ROWS:
@@ -374,18 +373,19 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0
     return _one_kind_of_copy(chosen, timings, settled_at)
 
 
-def _candidates(models: list[nn.Module], dtype: torch.dtype, copy_limit: int) -> tuple[list[str], list[str]]:
+def _candidates(models: list[nn.Module], dtype: torch.dtype, copy_limit: int, float16_held: float
+                ) -> tuple[list[str], list[str]]:
     """The forms to time for weights of `dtype` besides F.linear, and which of them compute from copies
-    (those whose copies of every layer fit in `copy_limit` bytes)."""
+    (those whose copies of every layer fit in `copy_limit` bytes). `float16_held`: the share of the
+    weights float16 holds exactly, as estimated from the timed weight of each shape (each layer is
+    checked again when its copy is made)."""
     half = dtype in (torch.float16, torch.bfloat16)
     candidates = [TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED] if half else [TRANSPOSED]
     if half and onednn_serves(dtype):
         candidates.append(NATIVE)
     copying = [f for f in copy_forms_for(dtype) if copies_nbytes(models, f) <= copy_limit]
     if FLOAT16_PACKED in copying:  # a layer whose weight float16 cannot hold computes without a copy: worth it
-        weights = [w for model in models for w in _weights(model)]  # only where most weights convert
-        exact = sum(w.numel() for w in weights if float16_exact(w))
-        if exact < FLOAT16_SHARE * sum(w.numel() for w in weights):
+        if float16_held < FLOAT16_SHARE:  # only where most weights convert
             copying.remove(FLOAT16_PACKED)
         else:  # float32 copies compute the same float32 products reading twice the bytes: not timed
             copying = [f for f in copying if f not in (FLOAT32_COPY, FLOAT32_PACKED)]

@@ -382,3 +382,24 @@ def test_a_weight_copy_chosen_at_one_verify_row_count_alone_is_not_kept(monkeypa
     assert faster_forms([model], copy_limit=limit) == {n: "transposed" for n in EVERY}
     cost["packed"] = 0.6  # faster at every count from 2 rows: kept
     assert faster_forms([model], copy_limit=limit) == {n: "packed" for n in EVERY}
+
+
+def test_float16_copies_are_not_tried_where_float16_holds_few_weights(monkeypatch):
+    import clover_hf.linears as linears
+
+    monkeypatch.setattr(linears, "fbgemm_packs", lambda: True)
+    monkeypatch.setattr(linears, "onednn_serves", lambda d: False)
+    timed = _fake_timings(monkeypatch, lambda rows, form: rows * (0.5 if form in COPIES else 1.0))
+    model = tiny_model("llama").to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().to(torch.bfloat16))  # random weights have a few tiny values float16 lacks
+    faster_forms([model], copy_limit=10**9)
+    assert "float16_packed" in {form for _, form in timed}
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m) is torch.nn.Linear:
+                m.weight.mul_(1e-9)  # below float16's smallest subnormal
+    timed.clear()
+    faster_forms([model], copy_limit=10**9)
+    assert "float16_packed" not in {form for _, form in timed} and "float32_copy" in {form for _, form in timed}
