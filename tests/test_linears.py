@@ -403,3 +403,18 @@ def test_float16_copies_are_not_tried_where_float16_holds_few_weights(monkeypatc
     timed.clear()
     faster_forms([model], copy_limit=10**9)
     assert "float16_packed" not in {form for _, form in timed} and "float32_copy" in {form for _, form in timed}
+
+
+def test_each_layers_copy_is_looked_up_once_per_block(monkeypatch):
+    """Checking a copy against its weight at every product cost ~10 us; the block does it once per layer."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 8))
+    copies = WeightCopies(limit=1 << 20)
+    looked_up = []
+    real_get = copies.get
+    monkeypatch.setattr(copies, "get", lambda layer, form: looked_up.append(layer) or real_get(layer, form))
+    x = torch.randn(3, 16)
+    with torch.no_grad(), linear_forms([model], {2: "float32_copy"}, copies):
+        for _ in range(4):
+            out = model(x)
+    assert len(looked_up) == 2  # once per layer, not once per product
+    assert torch.allclose(out, torch.nn.Sequential(*model)(x)) and copies.nbytes == (16 * 16 + 16 * 8) * 4
