@@ -1,11 +1,42 @@
-"""clover_hf: Clover speculative decoding for Hugging Face causal language models."""
+"""clover_hf: Clover speculative decoding for Hugging Face causal language models.
 
-from .budget import CostModel, DraftBudget
-from .config import DEFAULT_TREE, CloverConfig
-from .decoding import GenerationStats, clover_generate
-from .heads import CloverHeads, DraftHeads, DraftLMHead, MedusaHeads
-from .modeling import CloverForCausalLM
-from .tree import DynamicTree, build_tree
+The names below load their module on first use (as transformers' do), so that `clover-hf` can set up
+logging before torch and transformers are imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_HOME = {
+    "CostModel": "budget", "DraftBudget": "budget",
+    "DEFAULT_TREE": "config", "CloverConfig": "config",
+    "GenerationStats": "decoding", "clover_generate": "decoding",
+    "CloverHeads": "heads", "DraftHeads": "heads", "DraftLMHead": "heads", "MedusaHeads": "heads",
+    "CloverForCausalLM": "modeling",
+    "DynamicTree": "tree", "build_tree": "tree",
+}
+
+if TYPE_CHECKING:
+    from .budget import CostModel, DraftBudget
+    from .config import DEFAULT_TREE, CloverConfig
+    from .decoding import GenerationStats, clover_generate
+    from .heads import CloverHeads, DraftHeads, DraftLMHead, MedusaHeads
+    from .modeling import CloverForCausalLM
+    from .tree import DynamicTree, build_tree
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module 'clover_hf' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOME])
 
 __all__ = [
     "DEFAULT_TREE",
@@ -22,4 +53,4 @@ __all__ = [
     "DynamicTree",
     "clover_generate",
 ]
-__version__ = "0.10.0"
+__version__ = "0.11.0"

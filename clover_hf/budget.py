@@ -32,6 +32,7 @@ import torch
 
 from .hardware import available_memory, cpu_capability, cpu_name
 from .linears import WeightCopies, copy_form
+from .quantized import quantization
 from .user_cache import default_cache_dir
 
 
@@ -150,14 +151,14 @@ class CostModel:
 
 
 def cost_key(model: torch.nn.Module, device: torch.device) -> str:
-    """What a verify step's cost depends on: the base (its name and architecture), dtype, device,
-    threads, CPU capability and torch version."""
+    """What a verify step's cost depends on: the base (its name, architecture and quantization), dtype,
+    device, threads, CPU capability and torch version."""
     config = model.config.to_json_string(use_diff=False)
     arch = hashlib.sha1(config.encode()).hexdigest()[:12]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     return "|".join([getattr(model.config, "_name_or_path", "") or "?", arch, str(model.dtype).removeprefix("torch."),
                      where, f"{torch.get_num_threads()} threads", cpu_name(), cpu_capability(),
-                     f"torch {torch.__version__}"])
+                     f"torch {torch.__version__}"] + ([quantized] if (quantized := quantization(model)) else []))
 
 
 def _costs_path(cache_dir: str | Path | None) -> Path:

@@ -27,8 +27,17 @@ import dataclasses
 import sys
 import typing
 
-from .pipeline import DataConfig, train_heads
-from .training import STOPPED_EXIT_CODE, TrainConfig
+DEBUG_ENV = "CLOVER_HF_DEBUG"  # set to 1 for the traceback of every error, as --debug does
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_imports() -> None:
+    """Quiet third-party loggers that print as they are imported, whatever the program does (torchao 0.18 with
+    a CPU build of torch: its CUDA kernels fail to load). For programs, before they import transformers."""
+    import logging
+
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -52,15 +61,28 @@ def _add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
                                 help=f"{help_text} (default: {default})")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors take one line: the usage of `train` alone runs to 35."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="clover-hf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .pipeline import DataConfig
+    from .training import TrainConfig
+
+    parser = _Parser(prog="clover-hf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true",
+                        help=f"show the traceback of an error instead of one line (or set {DEBUG_ENV}=1)")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train Clover heads for a base model")
+    train = sub.add_parser("train", help="train Clover heads for a base model", parents=[common])
     _add_dataclass_args(train, DataConfig)
     _add_dataclass_args(train, TrainConfig)
     train.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="upload the trained heads to this repo")
 
-    engine = sub.add_parser("export", help="write heads in a serving engine's layout")
+    engine = sub.add_parser("export", help="write heads in a serving engine's layout", parents=[common])
     engine.add_argument("heads", help="heads directory or repo (Medusa heads)")
     engine.add_argument("directory", help="where the engine's files go")
     engine.add_argument("--format", default="vllm-medusa", choices=["vllm-medusa"],
@@ -68,15 +90,19 @@ def make_parser() -> argparse.ArgumentParser:
     engine.add_argument("--base-model", default=None,
                         help="the base, for heads that draft through its lm_head (default: the one their config names)")
 
-    export = sub.add_parser("export-generate", help="write a custom_generate repo: Clover for an unchanged model's generate")
+    export = sub.add_parser("export-generate", help="write a custom_generate repo: Clover for an unchanged model's generate",
+                            parents=[common])
     export.add_argument("directory", help="where the repo's files go")
     export.add_argument("--repo-id", default=None, help="the repo's name on the Hub, for its README (default: --push-to-hub's)")
     export.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="also upload it to this repo")
 
-    bench = sub.add_parser("bench", help="tokens/s of plain generate, Clover, Medusa and prompt lookup, side by side")
+    bench = sub.add_parser("bench", help="tokens/s of plain generate, Clover, Medusa and prompt lookup, side by side",
+                           parents=[common])
     bench.add_argument("--heads", default=None, help="heads dir or repo (default: the shipped SmolLM2 heads)")
     bench.add_argument("--base-model", default=None, help="base model (default: the heads' base, or embedded SmolLM2)")
     bench.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    bench.add_argument("--quantize", default=None, choices=["int8", "int4"],
+                       help="quantize the base's linear layers with torchao, weight-only, before timing")
     bench.add_argument("--prompts", default="mtbench", help="'mtbench' (first turns), a .jsonl or a text file")
     bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
     bench.add_argument("--max-new-tokens", type=int, default=128)
@@ -107,8 +133,48 @@ def _pick(cls: type, values: dict) -> typing.Any:
     return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values})
 
 
+def user_error(error: BaseException) -> str | None:
+    """`error` in one line where it is the user's to fix: bad values, missing files, packages or Hub access,
+    a base that does not fit in memory. None for anything else: a bug keeps its traceback."""
+    import torch
+
+    text = " ".join(str(error).split()) or type(error).__name__
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError)) or (
+            isinstance(error, RuntimeError) and "can't allocate memory" in text):
+        return (f"out of memory: the base does not fit ({text}). Use a smaller dtype (--base-dtype or --dtype "
+                "bfloat16), a smaller --batch-size, or a machine with more memory")
+    if type(error).__module__.split(".")[0] == "httpx":
+        return f"cannot reach the Hub ({text}). Check the network, or pass local paths (HF_HUB_OFFLINE=1)"
+    if isinstance(error, (ValueError, OSError, ImportError)):
+        return text
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = vars(make_parser().parse_args(argv))
+    """Run a command. A user error prints `clover-hf: error: ...` and exits with 2, as argparse's do;
+    `--debug` (or CLOVER_HF_DEBUG=1) shows its traceback instead."""
+    import os
+
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    if not debug:
+        quiet_imports()
+    parser = make_parser()
+    args = vars(parser.parse_args(argv))
+    args.pop("debug")
+    try:
+        return _run(args)
+    except Exception as error:
+        message = None if debug else user_error(error)
+        if message is None:
+            raise
+        parser.exit(2, f"{parser.prog}: error: {message}\n")  # not parser.error: no "see --help" here
+
+
+def _run(args: dict) -> int:
+    from .pipeline import DataConfig, train_heads
+    from .training import STOPPED_EXIT_CODE, TrainConfig
+
     command = args.pop("command")
     if command == "train":
         push = args.pop("push_to_hub")
@@ -155,7 +221,7 @@ def export_generate_command(directory: str, repo_id: str | None, push_to_hub: st
               "trust_remote_code=True, clover_heads=...)")
 
 
-def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_sample, temperature,
+def bench_command(heads, base_model, dtype, quantize, prompts, limit, max_new_tokens, do_sample, temperature,
                   no_prompt_lookup, medusa_heads, no_medusa, batch_size, variants, recheck, threads, device, out_dir) -> None:
     import json
     from pathlib import Path
@@ -167,6 +233,7 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
     from .card import tree_summary
     from .hardware import describe_machine
     from .modeling import CloverForCausalLM
+    from .quantized import nbytes, quantization, quantize_base
 
     if threads:
         torch.set_num_threads(threads)
@@ -179,6 +246,8 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
     if base_model is None and heads == str(embedded.shipped_heads_path()):
         base_model = str(embedded.base_model_path(torch_dtype))
     model = CloverForCausalLM.from_pretrained(heads, base_model=base_model, dtype=torch_dtype).to(device).eval()
+    if quantize:
+        quantize_base(model.base_model, quantize)
     tokenizer = AutoTokenizer.from_pretrained(base_model or model.clover_config.base_model_name_or_path)
     texts = bench.read_prompts(prompts, limit)
     baselines: dict[str, CloverForCausalLM] = {}
@@ -201,9 +270,10 @@ def bench_command(heads, base_model, dtype, prompts, limit, max_new_tokens, do_s
     table = bench.markdown_table(results, depth, sampled=do_sample)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    base_mib = sum(p.numel() * p.element_size() for p in model.base_model.parameters()) / 2**20
+    base_mib = sum(nbytes(p) for p in model.base_model.parameters()) / 2**20
     heads_mib = sum(t.numel() * t.element_size() for t in model.clover_heads.state_dict().values()) / 2**20
-    summary = (f"{len(texts)} prompts ({prompts}), {max_new_tokens} new tokens, {dtype}, "
+    quantized = f" quantized by {quantization(model.base_model)}" if quantize else ""
+    summary = (f"{len(texts)} prompts ({prompts}), {max_new_tokens} new tokens, {dtype}{quantized}, "
                f"{sampling_words(do_sample, temperature)}, batch {batch_size}; machine: {describe_machine(device)}\n\n"
                f"{table}\n\nweights: base {base_mib:.0f} MiB, heads {heads_mib:.1f} MiB "
                f"({100 * heads_mib / base_mib:.1f}%); {bench.peak_memory(device)}\n\n"

@@ -193,6 +193,8 @@ def load_records(path: str | Path, max_chars: int = 2000) -> list[Record]:
     path = Path(path)
     if max_chars <= 0:
         raise ValueError(f"max_chars must be positive, got {max_chars}")
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such data file; pass .jsonl, .json or .txt files, or 'sharegpt'")
     text = path.read_text(encoding="utf-8")
     if not text.strip():
         raise ValueError(f"{path}: file is empty")

@@ -20,6 +20,7 @@ from .base_parts import decoder_layers, rms_final_norm
 from .config import CloverConfig
 from .linears import LinearForms, linear
 from .packing import document_ids
+from .quantized import dense, plain, readable
 
 if TYPE_CHECKING:
     from .tree import TreeBuffers
@@ -187,9 +188,11 @@ class LMHeadEmbedding(nn.Module):
     def __init__(self, lm_head: nn.Module) -> None:
         super().__init__()
         self._lm_head = [lm_head]  # in a list: the base's module, not a submodule of this one
+        # a quantized lm_head is read back once, here (one plan of a decoding call holds this module)
+        self._dense = None if plain(lm_head.weight) else [dense(lm_head.weight).detach()]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self._lm_head[0].weight)
+        return F.embedding(ids, self._lm_head[0].weight if self._dense is None else self._dense[0])
 
 
 @dataclass(frozen=True, eq=False)
@@ -230,7 +233,8 @@ def _watch(t: torch.Tensor | None) -> tuple | None:
     """What identifies a tensor's contents for a cache: the tensor (weakly), its storage and in-place version."""
     if t is None:
         return None
-    return weakref.ref(t), t.data_ptr(), t.dtype, t.device, None if t.is_inference() else t._version
+    storage = t.data_ptr() if plain(t) else None  # a quantized tensor subclass may have no storage of its own
+    return weakref.ref(t), storage, t.dtype, t.device, None if t.is_inference() else t._version
 
 
 def _unchanged(watched: list[tuple | None], tensors: list[torch.Tensor | None]) -> bool:
@@ -267,20 +271,21 @@ class DraftHeads(nn.Module):
         have a draft vocabulary and the kernel takes the hidden size. On a CPU in bf16, drafting reads
         these rows from memory at every depth of every step, their largest cost; int8 halves the read
         (in fp32 the int8 kernel was no faster than the fp32 product, so decoding uses it in bf16).
+        A quantized lm_head (torchao's, bitsandbytes') is dequantized into the rows.
         Drafts, and so the tokens accepted per step, may change slightly; the output does not (greedy
         stays identical to the base's in fp32, sampling keeps its distribution). The rows are built
         once and kept until the lm_head or the draft vocabulary changes.
         """
         weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
-        if self.draft_token_ids is None:
+        if self.draft_token_ids is None and plain(weight):
             return DraftLMHead(weight, bias)
-        int8 = int8 and DraftLMHead.int8_fits(weight)
+        int8 = int8 and self.draft_token_ids is not None and DraftLMHead.int8_fits(weight)
         sources = [weight, bias, self.draft_token_ids]
         memo = self._lm_head_rows
         if memo is None or memo[1] != int8 or not _unchanged(memo[0], sources):
             with torch.inference_mode(False):  # kept past the call that builds them (decoding runs in inference mode)
-                ids = self.draft_token_ids.to(weight.device)
-                rows, bias = weight.detach()[ids], None if bias is None else bias.detach()[ids]
+                ids = slice(None) if self.draft_token_ids is None else self.draft_token_ids.to(weight.device)
+                rows, bias = dense(weight).detach()[ids], None if bias is None else bias.detach()[ids]
                 rows = DraftLMHead.quantized(rows, bias) if int8 else DraftLMHead(rows, bias)
             self._lm_head_rows = ([_watch(t) for t in sources], int8, rows)
         return self._lm_head_rows[2]
@@ -476,8 +481,8 @@ class CloverHeads(DraftHeads):
         for layer in self.augment:
             own = dict(layer.named_parameters())
             for ours, theirs in names.items():
-                if theirs in src and src[theirs].shape == own[ours].shape:
-                    own[ours].copy_(src[theirs])
+                if theirs in src and src[theirs].shape == own[ours].shape and readable(src[theirs]):
+                    own[ours].copy_(dense(src[theirs]))
                     copied = True
         return copied
 

@@ -22,6 +22,7 @@ from .config import CloverConfig
 from .decoding import GenerationStats, clover_generate
 from .heads import CloverHeads, DraftHeads, build_heads
 from .hub import HEADS_FILES, is_heads_dir, load_heads, resolve_heads, save_heads
+from .quantized import check_readable
 
 # Architectures whose attention cannot take a tree mask, or whose state is not a KV cache.
 ALIBI_MODEL_TYPES = {"bloom", "mpt", "baichuan", "jais"}
@@ -90,6 +91,7 @@ class CloverForCausalLM(nn.Module):
         super().__init__()
         check_supported(base_model.config)
         check_heads_match(heads.config, base_model)
+        check_readable(base_model.get_output_embeddings().weight)  # the heads draft from its rows
         self.base_model = base_model
         self.clover_heads = heads
         self.generation_stats: GenerationStats | None = None
@@ -268,8 +270,8 @@ class CloverForCausalLM(nn.Module):
         nodes with the most expected tokens per second on this machine, from none (a plain decoding
         step, and no drafting while the heads do not pay) to the whole tree, from a cost model of the
         verify forward measured here and acceptance calibrated as decoding goes. "full": the whole
-        tree every step (in the linear forms "auto" multiplies with). "one-token": one token a step in the forms "auto" multiplies with, no drafting
-        (what speculation adds is Clover against this). A `CostModel` fixes the costs (nothing is
+        tree every step, and "one-token": one token a step, no drafting (what speculation adds is
+        Clover against this), both in the linear forms and weight copies "auto" multiplies with. A `CostModel` fixes the costs (nothing is
         measured). The first "auto" call on a new (base, dtype, device, threads, CPU) times how this
         machine multiplies (about a second) and learns the verify costs from its own first steps,
         each verifying one width it has no cost for yet; the costs are kept in the user cache
@@ -398,3 +400,17 @@ class CloverForCausalLM(nn.Module):
                 return (f"rope_type {rope[0]!r} past {rope[1]} positions, where its frequencies depend on the "
                         "furthest position in a forward")
         return None
+
+
+def register_with_pipelines() -> None:
+    """Let transformers' text-generation pipeline take a CloverForCausalLM without logging that it is not
+    supported. The pipeline checks the model's class name against MODEL_FOR_CAUSAL_LM_MAPPING_NAMES (and
+    PEFT's classes) only, not against classes registered with AutoModelForCausalLM.register, so the name joins
+    that table, under a model type ("clover") that no config maps to, so the auto classes never resolve it.
+    Runs on import."""
+    from transformers.models.auto import modeling_auto
+
+    modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("clover", CloverForCausalLM.__name__)
+
+
+register_with_pipelines()

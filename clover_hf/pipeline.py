@@ -97,12 +97,23 @@ def check_inputs(data: DataConfig, base_config) -> None:
         raise ValueError(f"distill_max_new_tokens {data.distill_max_new_tokens} exceeds the base's context of {context}")
 
 
+def read_base_config(name: str, revision: str | None):
+    """The base's config; an error that names the base and the fix where it cannot be found."""
+    from transformers import AutoConfig
+
+    if not Path(name).expanduser().exists() and name.startswith(("/", ".", "~")):
+        raise FileNotFoundError(f"no base model at {name}: the directory does not exist; pass a model directory "
+                                "or a Hub repo id (org/name)")
+    try:
+        return AutoConfig.from_pretrained(name, revision=revision)
+    except OSError as e:
+        raise OSError(f"cannot load the base model {name!r}: {e}") from e
+
+
 def prepare_data(data: DataConfig, out: Path, accelerator: Accelerator, log=print):
     """Records -> (optional self-distillation) -> token ids -> cached base features, or rows packed for
     training online. Returns (base, tokenizer, FeatureSet or PackedRows)."""
-    from transformers import AutoConfig
-
-    check_inputs(data, AutoConfig.from_pretrained(data.base_model, revision=data.base_revision))
+    check_inputs(data, read_base_config(data.base_model, data.base_revision))
     records = read_records(data.data, data.max_records, data.skip_records)
     tokenizer = AutoTokenizer.from_pretrained(data.base_model, revision=data.base_revision)
     check_chat_template(records, tokenizer, data)

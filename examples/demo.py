@@ -11,6 +11,7 @@ import argparse
 
 import torch
 
+from clover_hf.cli import quiet_imports
 from clover_hf.embedded import load_default
 from clover_hf.hardware import cpu_capability, default_dtype, describe_machine, timed
 
@@ -28,6 +29,7 @@ def main() -> None:
                         help="auto: bf16 where this CPU decodes it faster than fp32, else fp32")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
+    quiet_imports()
     dtype = default_dtype("cpu") if args.dtype == "auto" else getattr(torch, args.dtype)
     dtype_name = str(dtype).removeprefix("torch.")
     print(f"machine: {describe_machine()}")

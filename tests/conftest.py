@@ -32,3 +32,22 @@ def converted(cache_root) -> Path:
     from clover_hf.embedded import base_model_path
 
     return base_model_path(torch.float32, cache_dir=cache_root)
+
+
+@pytest.fixture
+def cli_error(capsys):
+    """Run `clover-hf` with these arguments, expecting a user error: it exits with 2 after printing one line,
+    `clover-hf: error: ...`, and no traceback. Returns that line."""
+    from clover_hf.cli import main
+
+    def run(argv: list[str]) -> str:
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit.value.code == 2 and "Traceback" not in err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("clover-hf: error: "), err
+        return last
+
+    return run

@@ -240,9 +240,20 @@ def test_positional_arguments_mean_what_they_mean_to_the_base(base):
 
 
 def test_pipeline_text_generation(base):
+    """The pipeline takes the model quietly (no "not supported" error in transformers' log) and decodes with Clover."""
+    import logging
+
     tok = byte_tokenizer()
     clover = CloverForCausalLM.from_base(base)
-    pipe_clover = pipeline("text-generation", model=clover, tokenizer=tok)
+    logged = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        pipe_clover = pipeline("text-generation", model=clover, tokenizer=tok)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not [m for m in logged if "not supported" in m], logged
     pipe_base = pipeline("text-generation", model=base, tokenizer=tok)
     kw = dict(max_new_tokens=15, do_sample=False)
     assert pipe_clover("hello there", **kw) == pipe_base("hello there", **kw)
