@@ -37,7 +37,7 @@ from .user_cache import default_cache_dir
 
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
-COSTS_FILE = "verify_costs.v6.json"  # v6: forms computed from weight copies, and W @ x.T at one row (padded)
+COSTS_FILE = "verify_costs.v7.json"  # v7: oneDNN's blocked layout timed at one row too
 COPY_SHARE = 0.5  # by default weight copies take at most this share of the memory available when they are made
 OUTLIER = 2.0  # a timed step counts at most this many times the estimate
 CALIBRATED = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192)  # widths timed up front (and the whole tree's);

@@ -10,9 +10,12 @@ machine, per number of rows, on the model's own weight shapes, and used only whe
 On an AMD EPYC with AVX-512-bf16, oneDNN (which serves bf16 `F.linear` on such CPUs) took 1.3-2.5x as
 long for one row as ATen's own kernel, and plain decoding ran 1.5x faster with the latter; from 2
 rows up oneDNN was the faster one. So one row is timed too, and "native" switches oneDNN off for
-the product. It is the only form one row tries: on that CPU in fp32, timing the weights alone picked
-W @ x.T for one row in some calibrations (within noise of F.linear, the same matrix-vector product),
-while whole one-token forwards ran 2-7% slower with it.
+the product. On an Intel Xeon with AMX, the other way round: oneDNN's blocked layout (below) took
+17 ms for one row of all SmolLM2's bf16 weights against 21 by ATen's kernel and 24 by `F.linear`, and
+whole one-token forwards ran 31 against 37 ms. Those two (and W @ x.T in float32) are all one row
+tries: on the AMD CPU in fp32, timing the weights alone picked W @ x.T for one row in some
+calibrations (within noise of F.linear, the same matrix-vector product), while whole one-token
+forwards ran 2-7% slower with it; a float32 copy reads twice the bytes one row needs.
 
 Some forms compute from a copy of the weight made once and kept ("weight copies"): oneDNN's blocked
 layout of it (what inductor's freezing emits), or a float32 copy of a half-precision weight where the
@@ -299,6 +302,28 @@ def _best_ms(fn, reps: int) -> float:
     return 1000 * best
 
 
+def _streamed_ms(models: list[nn.Module], forms: Iterable[str], reps: int) -> dict[str, float]:
+    """Milliseconds of one row through every linear layer of the models in turn, as a one-token forward
+    runs them, in each of `forms` (those of COPIES from copies made here for the timing).
+
+    One row is timed so, not a shape's weight again and again: each product then finds its weight
+    where a forward does. On the Intel Xeon with AMX, one weight per shape timed again and again
+    took 9.4 ms (ATen's kernel) against 10.6 (oneDNN's blocked layout) over SmolLM2's bf16 shapes;
+    streamed through all its layers, 22 against 18 ms, and whole one-token forwards 37 against 31."""
+    layers = list({id(m): m for model in models for m in _linears(model)}.values())
+    xs = {m.in_features: torch.randn(1, m.in_features).to(m.weight.dtype) for m in layers}
+    ms = {}
+    for form in forms:
+        copies = [make_copy(m.weight, form) if form in COPIES else None for m in layers]
+
+        def run():
+            for m, copy in zip(layers, copies):
+                form_linear(xs[m.in_features], m.weight, None, form, copy)
+
+        ms[form] = _best_ms(run, reps)
+    return ms
+
+
 @torch.no_grad()
 def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0) -> dict[int, str]:
     """The form faster than F.linear, by at least MIN_GAIN (ONE_ROW_GAIN at one row), over the models'
@@ -307,10 +332,11 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0
 
     Tried: W @ x.T (at one row too, for float32 weights: padded to two rows); for half-precision
     weights the float32 forms from 2 rows and ATen's own kernel ("native", where oneDNN serves their
-    dtype); from 2 rows, the forms that compute from a weight copy whose copies of every layer fit in
-    `copy_limit` bytes (`copy_forms_for`: oneDNN's blocked layout where oneDNN computes the weights'
-    dtype, float16 copies of half-precision weights float16 holds, else float32 copies), where they
-    take at most COPY_GAIN of the best form's time without a copy. One kind of copy at most is chosen
+    dtype); the forms that compute from a weight copy whose copies of every layer fit in `copy_limit`
+    bytes (`copy_forms_for`: oneDNN's blocked layout where oneDNN computes the weights' dtype, float16
+    copies of half-precision weights float16 holds, else float32 copies), from 2 rows (the blocked
+    layout at one row too: it reads no more bytes), where they take at most COPY_GAIN of the best
+    form's time without a copy. One kind of copy at most is chosen
     (`_one_kind_of_copy`), so the copies are made once.
     Once a float32 form takes at most SETTLED of F.linear's time, larger counts keep it untimed; once
     the native form takes NATIVE_BEHIND times it, larger counts skip it (ATen's kernel falls further
@@ -336,14 +362,22 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0
     # timed on a copy of the shape's first weight (the base's, before its heads'), one float16 holds where it does not
     copies = {(key, form): make_copy(w if form != FLOAT16_PACKED or exact[key] else w.half().to(dtype), form)
               for key, w in weights.items() for form in copying}
+    one_row = [form for form in candidates if form in (NATIVE, PACKED) or (form == TRANSPOSED and not half)]
     chosen, timings, settled_at, n = {}, {}, {}, 1
     while n <= MAX_ROWS:
         if n == 1:  # a float32 copy reads more than it saves, W @ x.T in half precision is ATen's slow product
-            tried = [form for form in candidates if form == NATIVE or (form == TRANSPOSED and not half)]
+            tried = one_row
         else:
             tried = candidates
         if not tried:
             n *= 2
+            continue
+        if n == 1:
+            timings[1] = ms = _streamed_ms(models, (LINEAR, *tried), reps)
+            best = min(tried, key=ms.get)
+            if ms[best] < ONE_ROW_GAIN * ms[LINEAR]:
+                chosen[1] = best
+            n = 2
             continue
         ms = dict.fromkeys((LINEAR, *tried), 0.0)
         for key, weight in weights.items():

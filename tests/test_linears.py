@@ -193,19 +193,35 @@ def test_a_float32_form_twice_as_fast_is_kept_for_larger_row_counts_untimed(monk
 def test_one_row_tries_atens_own_kernel_or_two_row_products(dtype, monkeypatch):
     """At one row a float32 copy of the weight reads more than it saves and a half-precision W @ x.T is
     ATen's slow product: however their timings come out (faster here), one row tries only ATen's own
-    kernel (half weights) or W @ x.T padded to two rows (float32), and takes it only when it saves
-    ONE_ROW_GAIN; from 2 rows every form is timed."""
+    kernel (half weights) or W @ x.T padded to two rows (float32), and oneDNN's blocked layout of the
+    weight in its own dtype (where oneDNN packs), and takes one only when it saves ONE_ROW_GAIN; from 2
+    rows every form is timed."""
     import clover_hf.linears as linears
 
     gain = {}
-    timed = _fake_timings(monkeypatch, lambda rows, form: rows * (1.0 if form == "linear" else gain.get(rows, 0.5)))
+
+    def ms(rows, form):
+        if form == "linear":
+            return rows
+        return rows * gain.get((rows, form), gain.get(form, gain.get(rows, 0.5)))
+
+    timed = _fake_timings(monkeypatch, ms)
     monkeypatch.setattr(linears, "onednn_serves", lambda d: True)
+    monkeypatch.setattr(linears, "onednn_packs", lambda: True)
     model = tiny_model("llama").to(dtype)
     forms = faster_forms([model], copy_limit=10**9)
     one_row = "native" if dtype == torch.bfloat16 else "transposed"
-    assert {form for rows, form in timed if rows == 1} == {"linear", one_row}
+    assert {form for rows, form in timed if rows == 1} == {"linear", one_row, "packed"}
     assert forms.get(1) == one_row and forms[2] != "linear"
-    gain[1] = 0.85  # saves less than ONE_ROW_GAIN asks at one row; enough from 2 rows
+    gain["packed"] = 0.3  # the blocked layout (an Intel CPU with AMX, bf16: 0.7x F.linear at one row)
+    forms = faster_forms([model], copy_limit=10**9)
+    assert forms[1] == "packed" and forms[2] == "packed"
+    assert "packed" not in {form for rows, form in timed if rows == 1 and form != "packed"}
+    monkeypatch.setattr(linears, "onednn_packs", lambda: False)  # no oneDNN packing: not tried
+    timed.clear()
+    forms = faster_forms([model], copy_limit=10**9)
+    assert {form for rows, form in timed if rows == 1} == {"linear", one_row}
+    gain[1] = gain[1, "packed"] = 0.85  # saves less than ONE_ROW_GAIN asks at one row; enough from 2 rows
     assert 1 not in faster_forms([model], copy_limit=10**9)
 
 
@@ -380,8 +396,8 @@ def test_a_weight_copy_chosen_at_one_verify_row_count_alone_is_not_kept(monkeypa
     model = tiny_model("llama")
     limit = copies_nbytes([model], "packed")
     assert faster_forms([model], copy_limit=limit) == {n: "transposed" for n in EVERY}
-    cost["packed"] = 0.6  # faster at every count from 2 rows: kept
-    assert faster_forms([model], copy_limit=limit) == {n: "packed" for n in EVERY}
+    cost["packed"] = 0.6  # faster at every count, one row too: kept
+    assert faster_forms([model], copy_limit=limit) == {n: "packed" for n in COUNTS}
 
 
 def test_float16_copies_are_not_tried_where_float16_holds_few_weights(monkeypatch):
@@ -418,3 +434,25 @@ def test_each_layers_copy_is_looked_up_once_per_block(monkeypatch):
             out = model(x)
     assert len(looked_up) == 2  # once per layer, not once per product
     assert torch.allclose(out, torch.nn.Sequential(*model)(x)) and copies.nbytes == (16 * 16 + 16 * 8) * 4
+
+
+def test_one_row_is_timed_through_every_layer_in_turn(monkeypatch):
+    """One weight timed again and again stays in the core's cache, which favoured ATen's kernel at one row
+    on an Intel CPU where whole forwards ran faster with oneDNN's blocked layout: one row streams through
+    every layer's weight, as a one-token forward does; more rows are timed per shape."""
+    import clover_hf.linears as linears
+
+    monkeypatch.setattr(linears, "onednn_packs", lambda: True)
+    monkeypatch.setattr(linears, "onednn_serves", lambda d: True)
+    seen = []
+    monkeypatch.setattr(linears, "form_linear", lambda x, w, b, form, copy=None: seen.append(
+        (x.shape[0], w.data_ptr(), form, copy is not None)) or F.linear(x, w, b))
+    monkeypatch.setattr(linears, "make_copy", lambda w, form: w.detach().clone())
+    model = tiny_model("llama").to(torch.bfloat16)
+    faster_forms([model], reps=1, copy_limit=10**9)
+    layers = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    for form in ("linear", "native", "packed"):
+        assert {ptr for rows, ptr, f, _ in seen if rows == 1 and f == form} == layers
+    assert all(has_copy == (form == "packed") for rows, _, form, has_copy in seen if rows == 1)
+    assert len({ptr for rows, ptr, f, _ in seen if rows == 2 and f == "linear"}) == len(shapes) < len(layers)
