@@ -362,33 +362,28 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0
     # timed on a copy of the shape's first weight (the base's, before its heads'), one float16 holds where it does not
     copies = {(key, form): make_copy(w if form != FLOAT16_PACKED or exact[key] else w.half().to(dtype), form)
               for key, w in weights.items() for form in copying}
-    one_row = [form for form in candidates if form in (NATIVE, PACKED) or (form == TRANSPOSED and not half)]
     chosen, timings, settled_at, n = {}, {}, {}, 1
     while n <= MAX_ROWS:
         if n == 1:  # a float32 copy reads more than it saves, W @ x.T in half precision is ATen's slow product
-            tried = one_row
+            tried = [form for form in candidates if form in (NATIVE, PACKED) or (form == TRANSPOSED and not half)]
         else:
             tried = candidates
         if not tried:
             n *= 2
             continue
         if n == 1:
-            timings[1] = ms = _streamed_ms(models, (LINEAR, *tried), reps)
-            best = min(tried, key=ms.get)
-            if ms[best] < ONE_ROW_GAIN * ms[LINEAR]:
-                chosen[1] = best
-            n = 2
-            continue
-        ms = dict.fromkeys((LINEAR, *tried), 0.0)
-        for key, weight in weights.items():
-            output = key[1]
-            if output and n > VERIFY_ROWS:  # a prefill keeps the logits of its last row only
-                continue
-            x = torch.randn(n, weight.shape[1]).to(weight.dtype)
-            for form in ms:
-                copy = copies.get((key, form))
-                timing = _best_ms(lambda: form_linear(x, weight, None, form, copy), 1 if output else reps)
-                ms[form] += shapes[key] * timing
+            ms = _streamed_ms(models, (LINEAR, *tried), reps)
+        else:
+            ms = dict.fromkeys((LINEAR, *tried), 0.0)
+            for key, weight in weights.items():
+                output = key[1]
+                if output and n > VERIFY_ROWS:  # a prefill keeps the logits of its last row only
+                    continue
+                x = torch.randn(n, weight.shape[1]).to(weight.dtype)
+                for form in ms:
+                    copy = copies.get((key, form))
+                    timing = _best_ms(lambda: form_linear(x, weight, None, form, copy), 1 if output else reps)
+                    ms[form] += shapes[key] * timing
         timings[n] = ms
         best = min(tried, key=ms.get)
         without = min((f for f in ms if f not in COPIES), key=ms.get)
