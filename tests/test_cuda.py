@@ -97,7 +97,7 @@ def test_cuda_shipped_heads_exact(converted):
                                               dtype=torch.float32).to(CUDA)
     tok = AutoTokenizer.from_pretrained(converted)
     steps = tokens = 0
-    for question in mtbench_questions()[:4]:
+    for question in range(4):
         ids = _chat(tok, question).to(CUDA)
         expected = model.base_model.generate(ids, max_new_tokens=64, do_sample=False)
         out = model.generate(ids, max_new_tokens=64, do_sample=False)

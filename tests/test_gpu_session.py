@@ -71,3 +71,19 @@ def test_gpu_session_end_to_end_on_cpu(tmp_path, capsys):
     ids = prompt(5)
     assert torch.equal(clover.generate(ids, max_new_tokens=20, do_sample=False, budget="full"),
                        clover.base_model.generate(ids, max_new_tokens=20, do_sample=False))
+
+
+def test_a_stage_is_stopped_at_the_calls_deadline(tmp_path):
+    """A command still running when the call's minutes are up is killed and reported as not done, so the
+    call ends before the lease's limit and the next call runs the stage again."""
+    import argparse
+    import sys
+    import time
+
+    session = _session_module()
+    args = argparse.Namespace(work_dir=str(tmp_path), minutes=2 / 60)
+    s = session.Session(args)
+    start = time.monotonic()
+    assert s.sh("sleeper", [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"]) is None
+    assert time.monotonic() - start < 30
+    assert "started" in (tmp_path / "logs" / "sleeper.log").read_text()
