@@ -268,7 +268,7 @@ def _plan(model: PreTrainedModel, heads: DraftHeads, batch: int, generation_conf
         int8 = device.type == "cpu" and model.dtype == torch.bfloat16
     key = None if budget is None else f"{cost_key(model, device)}|{budget.key_suffix()}"
     forms = {} if key is None else budget.forms(
-        key, calibrate, lambda copy_limit: faster_forms([model, heads], copy_limit=copy_limit))
+        key, calibrate, lambda limit: faster_forms([model, heads], copy_limit=limit, copies=budget.copies))
     lm_head = dataclasses.replace(heads.draft_lm_head(model.get_output_embeddings(), int8=int8), forms=forms)
     return _Plan(heads, spec, trees, depth, lookup, lookup_max, heads.token_embedding(model), lm_head,
                  generation_config.max_length, key, forms)

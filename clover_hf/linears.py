@@ -69,6 +69,7 @@ MIN_GAIN = 0.9  # another form must take at most this share of F.linear's time
 SETTLED = 0.5  # a float32 form taking at most this share of F.linear's time is kept for every larger row count
 NATIVE_BEHIND = 1.5  # the native form taking this many times F.linear's time is not timed at larger row counts
 PAD_ROWS = 8
+STREAM_BYTES = 128 << 20  # one row is timed streamed through about this many bytes of weights (and the largest apart)
 VERIFY_ROWS = 64  # past this many rows (a prefill), the output embedding is not timed
 SLICE_ROWS = 16384  # larger weights are timed on this many of their rows
 
@@ -302,42 +303,67 @@ def _best_ms(fn, reps: int) -> float:
     return 1000 * best
 
 
-def _streamed_ms(models: list[nn.Module], forms: Iterable[str], reps: int) -> dict[str, float]:
+def _streamed_ms(models: list[nn.Module], forms: Iterable[str], reps: int, copies: WeightCopies | None = None
+                 ) -> dict[str, float]:
     """Milliseconds of one row through every linear layer of the models in turn, as a one-token forward
-    runs them, in each of `forms` (those of COPIES from copies made here for the timing).
+    runs them, in each of `forms` (those of COPIES from the layers' copies in `copies`, made there and
+    kept for the forms chosen to use; without it, made for the timing alone).
 
     One row is timed so, not a shape's weight again and again: each product then finds its weight
     where a forward does. On the Intel Xeon with AMX, one weight per shape timed again and again
     took 9.4 ms (ATen's kernel) against 10.6 (oneDNN's blocked layout) over SmolLM2's bf16 shapes;
-    streamed through all its layers, 22 against 18 ms, and whole one-token forwards 37 against 31."""
+    streamed through all its layers, 22 against 18 ms, and whole one-token forwards 37 against 31.
+    Past STREAM_BYTES of weights, every k-th layer is timed and its time scaled to all those layers'
+    bytes; layers of over STREAM_BYTES / 8 (an output embedding) are timed apart, so that one does not
+    stand for more than its share. On the Intel Xeon with AMX (SmolLM2, bf16), 128 MiB so (every other
+    layer) gave the same ratios between forms as all layers (blocked layout 0.65-0.74 of F.linear's
+    time, ATen's kernel 1.05-1.10, against 0.72-0.74 and 0.98-1.09), 64 MiB did not (ATen's 0.62-0.76)."""
     layers = list({id(m): m for model in models for m in _linears(model)}.values())
+    big = [m for m in layers if m.weight.nbytes > STREAM_BYTES // 8]
+    rest = [m for m in layers if m.weight.nbytes <= STREAM_BYTES // 8]
+    size = sum(m.weight.nbytes for m in rest)
+    sample = rest[:: max(1, -(-size // STREAM_BYTES))]
+    scale = size / max(1, sum(m.weight.nbytes for m in sample))
     xs = {m.in_features: torch.randn(1, m.in_features).to(m.weight.dtype) for m in layers}
     ms = {}
     for form in forms:
-        copies = [make_copy(m.weight, form) if form in COPIES else None for m in layers]
+        if form in COPIES and copies is not None:
+            copies.prepare(layers, form)
 
-        def run():
-            for m, copy in zip(layers, copies):
-                form_linear(xs[m.in_features], m.weight, None, form, copy)
+        def copy_of(m: nn.Linear) -> torch.Tensor | None:
+            if form not in COPIES:
+                return None
+            return make_copy(m.weight, form) if copies is None else copies.get(m, form)
 
-        ms[form] = _best_ms(run, reps)
+        def stream(part: list[nn.Linear]) -> float:
+            made = [copy_of(m) for m in part]
+
+            def run():
+                for m, copy in zip(part, made):
+                    form_linear(xs[m.in_features], m.weight, None, form, copy)
+
+            return _best_ms(run, reps) if part else 0.0
+
+        ms[form] = scale * stream(sample) + stream(big)
     return ms
 
 
 @torch.no_grad()
-def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0) -> dict[int, str]:
+def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0, copies: WeightCopies | None = None
+                 ) -> dict[int, str]:
     """The form faster than F.linear, by at least MIN_GAIN (ONE_ROW_GAIN at one row), over the models'
     linear layers at 1, 2, 4, ... MAX_ROWS rows (each weight shape weighted by how often it occurs; the
     output embedding only up to VERIFY_ROWS); counts where F.linear is fastest are left out.
 
     Tried: W @ x.T (at one row too, for float32 weights: padded to two rows); for half-precision
-    weights the float32 forms from 2 rows and ATen's own kernel ("native", where oneDNN serves their
-    dtype); the forms that compute from a weight copy whose copies of every layer fit in `copy_limit`
+    weights ATen's own kernel where oneDNN serves their dtype ("native"), else the float32 forms from
+    2 rows; the forms that compute from a weight copy whose copies of every layer fit in `copy_limit`
     bytes (`copy_forms_for`: oneDNN's blocked layout where oneDNN computes the weights' dtype, float16
     copies of half-precision weights float16 holds, else float32 copies), from 2 rows (the blocked
     layout at one row too: it reads no more bytes), where they take at most COPY_GAIN of the best
     form's time without a copy. One kind of copy at most is chosen
-    (`_one_kind_of_copy`), so the copies are made once.
+    (`_one_kind_of_copy`), so the copies are made once: those one row is timed with are made in
+    `copies` where given (at most `copy_limit` bytes), for the forms to use without making them again.
     Once a float32 form takes at most SETTLED of F.linear's time, larger counts keep it untimed; once
     the native form takes NATIVE_BEHIND times it, larger counts skip it (ATen's kernel falls further
     behind oneDNN's with more rows). CPU only: elsewhere, none."""
@@ -360,8 +386,8 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0
     held = sum(size[key] for key, ok in exact.items() if ok) / sum(size.values())
     candidates, copying = _candidates(models, dtype, copy_limit, held)
     # timed on a copy of the shape's first weight (the base's, before its heads'), one float16 holds where it does not
-    copies = {(key, form): make_copy(w if form != FLOAT16_PACKED or exact[key] else w.half().to(dtype), form)
-              for key, w in weights.items() for form in copying}
+    timed_copies = {(key, form): make_copy(w if form != FLOAT16_PACKED or exact[key] else w.half().to(dtype), form)
+                    for key, w in weights.items() for form in copying}
     chosen, timings, settled_at, n = {}, {}, {}, 1
     while n <= MAX_ROWS:
         if n == 1:  # a float32 copy reads more than it saves, W @ x.T in half precision is ATen's slow product
@@ -372,7 +398,9 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0
             n *= 2
             continue
         if n == 1:
-            ms = _streamed_ms(models, (LINEAR, *tried), reps)
+            if copies is not None:
+                copies.limit = copy_limit
+            ms = _streamed_ms(models, (LINEAR, *tried), reps, copies)
         else:
             ms = dict.fromkeys((LINEAR, *tried), 0.0)
             for key, weight in weights.items():
@@ -381,7 +409,7 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0
                     continue
                 x = torch.randn(n, weight.shape[1]).to(weight.dtype)
                 for form in ms:
-                    copy = copies.get((key, form))
+                    copy = timed_copies.get((key, form))
                     timing = _best_ms(lambda: form_linear(x, weight, None, form, copy), 1 if output else reps)
                     ms[form] += shapes[key] * timing
         timings[n] = ms
@@ -412,8 +440,11 @@ def _candidates(models: list[nn.Module], dtype: torch.dtype, copy_limit: int, fl
     weights float16 holds exactly, as estimated from the timed weight of each shape (each layer is
     checked again when its copy is made)."""
     half = dtype in (torch.float16, torch.bfloat16)
-    candidates = [TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED] if half else [TRANSPOSED]
-    if half and onednn_serves(dtype):
+    native = half and onednn_serves(dtype)
+    # converting every weight to float32 for each product pays only without half-precision products: on the
+    # Intel Xeon with AMX it took 3.5-7x oneDNN's bf16 product at 2-256 rows
+    candidates = [TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED] if half and not native else [TRANSPOSED]
+    if native:
         candidates.append(NATIVE)
     copying = [f for f in copy_forms_for(dtype) if copies_nbytes(models, f) <= copy_limit]
     if FLOAT16_PACKED in copying:  # a layer whose weight float16 cannot hold computes without a copy: worth it
@@ -458,13 +489,18 @@ def _one_kind_of_copy(chosen: dict[int, str], timings: dict[int, dict[str, float
 
 def copy_forms_for(dtype: torch.dtype) -> list[str]:
     """The forms of COPIES this CPU computes for weights of `dtype`: oneDNN's blocked layout where
-    oneDNN computes the dtype (float32; bf16 on CPUs with native bf16), else, for half precision, a
-    float32 copy (and its blocked layout where torch has oneDNN); for half precision, FBGEMM's float16
-    copies where torch has FBGEMM."""
+    oneDNN computes the dtype (float32; bf16 on CPUs with native bf16), else, for half precision,
+    FBGEMM's float16 copies where torch has FBGEMM and a float32 copy (and its blocked layout where
+    torch has oneDNN)."""
     half = dtype in (torch.float16, torch.bfloat16)
     fp16 = [FLOAT16_PACKED] if half and fbgemm_packs() else []
-    if dtype == torch.float32 or (half and onednn_serves(dtype)):
-        return ([PACKED] if onednn_packs() else []) + fp16
+    if dtype == torch.float32:
+        return [PACKED] if onednn_packs() else []
+    if half and onednn_serves(dtype):
+        # the blocked layout in the weights' own dtype where oneDNN has it: on the Intel Xeon with AMX,
+        # FBGEMM's float16 copies (the same bytes, float32 products) took 1.4x its time at 2 rows and 11x
+        # at 256, and packing and timing them was a third of the forms' timing
+        return [PACKED] if onednn_packs() else fp16
     return fp16 + [FLOAT32_COPY, *([FLOAT32_PACKED] if onednn_packs() else [])] if half else []
 
 

@@ -24,6 +24,7 @@ from clover_hf.linears import (
     form_linear,
     linear_forms,
     make_copy,
+    onednn_packs,
     onednn_serves,
     transposed_linear,
 )
@@ -140,8 +141,10 @@ def test_forms_are_measured_on_the_cpu_within_their_bounds(dtype, monkeypatch):
     forms = faster_forms([model], reps=1)  # no memory for weight copies: no form that needs them
     assert set(forms) <= COUNTS and set(forms.values()) <= set(FORMS) - {"linear", *COPIES}
     tried = {form for _, _, form in timed}
-    half = set(FORMS) - set(COPIES) - (set() if onednn_serves(dtype) else {"native"})  # native: ATen's kernel, not oneDNN's
-    assert tried == (half if dtype == torch.bfloat16 else {"linear", "transposed"})  # float32 forms: half weights
+    # native: ATen's kernel where oneDNN computes bf16 natively; converting to float32 for each product elsewhere
+    half = {"linear", "transposed", "native"} if onednn_serves(dtype) else {"linear", "transposed", "float32",
+                                                                            "float32_transposed"}
+    assert tried == (half if dtype == torch.bfloat16 else {"linear", "transposed"})
     vocab = model.lm_head.weight.shape
     first, last = min(n for n, _, _ in timed), max(n for n, _, _ in timed)
     if dtype == torch.bfloat16:  # one row: ATen's own kernel where oneDNN would compute it; float32: W @ x.T
@@ -179,11 +182,14 @@ def _fake_timings(monkeypatch, ms) -> list[tuple[int, str]]:
 def test_a_float32_form_twice_as_fast_is_kept_for_larger_row_counts_untimed(monkeypatch):
     """Converting a half weight to float32 is a fixed cost per product: once that form takes at most
     half of F.linear's time, more rows only favour it more, so they are not timed."""
+    import clover_hf.linears as linears
+
     cost = {"linear": 1.0, "transposed": 1.0, "float32": 0.8, "float32_transposed": 0.9, "native": 1.0}
     # float32 costs 0.8x F.linear at 1-4 rows, 0.4x from 8 rows up
     cost |= dict.fromkeys(COPIES, 1.0)
     timed = _fake_timings(monkeypatch, lambda rows, form: cost[form] * rows * (
         0.5 if form == "float32" and rows >= 8 else 1.0))
+    monkeypatch.setattr(linears, "onednn_serves", lambda dtype: False)  # a CPU without bf16 products: float32 forms
     forms = faster_forms([tiny_model("llama").to(torch.bfloat16)])
     assert forms == {n: "float32" for n in COUNTS if n > 1}  # 0.8x F.linear at 2-4 rows: chosen, timed on; 0.4x at 8: settled
     assert max(rows for rows, _ in timed) == 8
@@ -253,7 +259,9 @@ def test_linear_forms_are_undone_on_error_and_take_a_layer_listed_twice_once():
     assert all("forward" not in m.__dict__ for m in model.modules())
 
 
+# float16 copies where FBGEMM computes them, also on CPUs that leave them out for oneDNN's faster bf16 products
 ALL_COPIES = [(dtype, form) for dtype in (torch.float32, torch.bfloat16) for form in copy_forms_for(dtype)]
+ALL_COPIES += [(torch.bfloat16, "float16_packed")] if fbgemm_packs() and "float16_packed" not in copy_forms_for(torch.bfloat16) else []
 
 
 def test_this_cpu_has_a_weight_copy_for_each_dtype():
@@ -261,7 +269,9 @@ def test_this_cpu_has_a_weight_copy_for_each_dtype():
     assert copy_forms_for(torch.float32) == (["packed"] if torch.backends.mkldnn.is_available() else [])
     bf16 = copy_forms_for(torch.bfloat16)
     assert ("packed" in bf16) == onednn_serves(torch.bfloat16) and ("float32_copy" in bf16) != onednn_serves(torch.bfloat16)
-    assert ("float16_packed" in bf16) == fbgemm_packs() and "float16_packed" not in copy_forms_for(torch.float32)
+    # float16 copies (float32 products) where FBGEMM has them and oneDNN has no bf16 blocked layout
+    assert ("float16_packed" in bf16) == (fbgemm_packs() and "packed" not in bf16)
+    assert "float16_packed" not in copy_forms_for(torch.float32)
     assert copy_forms_for(torch.float64) == []
 
 
@@ -340,6 +350,7 @@ def test_one_kind_of_weight_copy_is_chosen(monkeypatch):
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("form", [f for f in COPIES if f in ("float32_copy", "float32_packed")
+                                  or (f == "float16_packed" and fbgemm_packs())
                                   or f in copy_forms_for(torch.float32) + copy_forms_for(torch.bfloat16)])
 def test_greedy_stays_exact_with_weight_copies_in_every_verify(arch, form, monkeypatch):
     """Each form that computes from a weight copy (from float32 weights here, where greedy output is exact)
@@ -456,3 +467,47 @@ def test_one_row_is_timed_through_every_layer_in_turn(monkeypatch):
         assert {ptr for rows, ptr, f, _ in seen if rows == 1 and f == form} == layers
     assert all(has_copy == (form == "packed") for rows, _, form, has_copy in seen if rows == 1)
     assert len({ptr for rows, ptr, f, _ in seen if rows == 2 and f == "linear"}) == len(shapes) < len(layers)
+
+
+def test_one_row_streams_through_every_kth_layer_of_a_large_model_scaled_to_all(monkeypatch):
+    """Past STREAM_BYTES of weights every k-th layer is timed at one row, and the time is scaled by those
+    layers' bytes over the timed ones' (so it stands beside the other row counts' totals); a layer of over
+    STREAM_BYTES / 8 (the output embedding) is timed apart, whole, so it counts its own share only."""
+    import clover_hf.linears as linears
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    stream = 8 * max(m.weight.nbytes for m in layers if m is not model.lm_head)  # the lm_head alone past an eighth
+    monkeypatch.setattr(linears, "STREAM_BYTES", stream)
+    big = [m for m in layers if m.weight.nbytes > stream // 8]
+    rest = [m for m in layers if m not in big]
+    assert big == [model.lm_head] and len(rest) > 6
+    size = sum(m.weight.nbytes for m in rest)
+    sample = rest[:: -(-size // stream)]
+    seen = []
+    monkeypatch.setattr(linears, "form_linear", lambda x, w, b, form, copy=None: seen.append(w.data_ptr()))
+    monkeypatch.setattr(linears, "_best_ms", lambda fn, reps: fn() or 1.0)  # 1 ms for each part timed
+    ms = linears._streamed_ms([model], ["linear"], reps=1)
+    assert 1 < len(sample) < len(rest) and seen == [m.weight.data_ptr() for m in sample + big]
+    assert ms["linear"] == pytest.approx(size / sum(m.weight.nbytes for m in sample) + 1.0)
+
+
+@pytest.mark.skipif(not onednn_packs(), reason="this torch build has no oneDNN blocked layout")
+def test_copies_made_to_time_one_row_are_kept_for_the_forms(monkeypatch):
+    """One row is timed through every layer from each layer's blocked-layout copy; given a WeightCopies,
+    those copies are made there, so the forms that choose them use them without making them again."""
+    import clover_hf.linears as linears
+
+    made = []
+    monkeypatch.setattr(linears, "make_copy", lambda w, f: made.append(f) or make_copy(w, f))
+    model = tiny_model("llama")
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    copies = WeightCopies()
+    faster_forms([model], reps=1, copy_limit=copies_nbytes([model], "packed"), copies=copies)
+    per_layer = made.count("packed")
+    assert all(copies.get(m, "packed") is not None for m in layers) and per_layer >= len(layers)
+    copies.prepare(layers, "packed")  # what `linear_forms` does as a block starts
+    assert made.count("packed") == per_layer  # none made again
+    short = WeightCopies()  # no room: timed from copies made for the timing alone, none kept
+    faster_forms([model], reps=1, copy_limit=0, copies=short)
+    assert short.nbytes == 0 and all(short.get(m, "packed") is None for m in layers)
