@@ -26,6 +26,7 @@ from clover_hf.linears import (
     make_copy,
     onednn_packs,
     onednn_serves,
+    shared_input_groups,
     transposed_linear,
 )
 
@@ -375,7 +376,9 @@ def test_greedy_stays_exact_with_weight_copies_in_every_verify(arch, form, monke
         assert same(clover.generate(ids, max_new_tokens=30, do_sample=False, budget=budget), ref)
         assert clover.generation_stats.verified_per_step > 2
     layers = {id(m) for model in (base, clover.clover_heads) for m in model.modules() if type(m) is torch.nn.Linear}
-    assert made == [form] * len(made) and 0 < len(made) <= len(layers)  # made once, in the second call too
+    # made once, in the second call too: one per layer, and one more per group of layers stacked into one product
+    groups = shared_input_groups([base, clover.clover_heads])
+    assert made == [form] * len(made) and 0 < len(made) <= len(layers) + len(groups)
     assert budget.copies.nbytes > 0
 
 
@@ -511,3 +514,55 @@ def test_copies_made_to_time_one_row_are_kept_for_the_forms(monkeypatch):
     short = WeightCopies()  # no room: timed from copies made for the timing alone, none kept
     faster_forms([model], reps=1, copy_limit=0, copies=short)
     assert short.nbytes == 0 and all(short.get(m, "packed") is None for m in layers)
+
+
+def test_layers_that_take_one_input_are_grouped_by_their_names():
+    llama = tiny_model("llama")
+    groups = shared_input_groups([llama])
+    names = {id(m): n for n, m in llama.named_modules()}
+    assert [tuple(names[id(m)].rsplit(".", 1)[1] for m in g) for g in groups] == [
+        ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")] * llama.config.num_hidden_layers
+    assert shared_input_groups([tiny_model("phi3")]) == []  # its projections are stacked already
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v with biases
+def test_stacked_products_compute_each_layer_and_count_one_copy(arch, monkeypatch):
+    """With a weight copy chosen, each group of layers that take one input is one product from one copy of
+    the stacked weights; the forward's output is F.linear's, and the members keep no copies of their own."""
+    import clover_hf.linears as linears
+
+    products = []
+    monkeypatch.setattr(linears, "transposed_linear", lambda x, w, b: products.append(w.shape) or transposed_linear(x, w, b))
+    model = tiny_model(arch)
+    ids = prompt(9)
+    ref = model(ids).logits
+    groups = shared_input_groups([model])
+    copies = WeightCopies(limit=copies_nbytes([model], "float32_copy"))
+    with linear_forms([model], {1: "float32_copy", 8: "float32_copy"}, copies):
+        out = model(ids).logits
+    assert torch.allclose(out, ref, atol=1e-5)
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    assert len(products) == len(layers) - sum(len(g) - 1 for g in groups)
+    assert (sum(g[0].out_features for g in groups[:1]), groups[0][0].in_features) in products
+    assert all(copies.get(m, "float32_copy") is None for g in groups for m in g)
+    assert copies.nbytes == copies_nbytes([model], "float32_copy")  # stacked or not, each weight copied once
+
+
+def test_a_member_called_with_another_input_computes_on_its_own():
+    """The names only suggest a shared input: a member given another tensor gets its own product."""
+
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(8, 4) for _ in range(3))
+
+        def forward(self, x):
+            return torch.cat([self.q_proj(x), self.k_proj(x + 1), self.v_proj(x)], dim=-1)
+
+    torch.manual_seed(0)
+    model, x = Odd(), torch.randn(3, 8)
+    ref = model(x)
+    copies = WeightCopies(limit=10**6)
+    with linear_forms([model], {1: "float32_copy", 2: "float32_copy"}, copies):
+        assert torch.allclose(model(x), ref, atol=1e-6)
+        assert torch.allclose(model(x[:1]), ref[:1], atol=1e-6)
