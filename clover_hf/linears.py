@@ -356,39 +356,62 @@ def _streamed_ms(models: list[nn.Module], forms: Iterable[str], reps: int, copie
     where a forward does. On the Intel Xeon with AMX, one weight per shape timed again and again
     took 9.4 ms (ATen's kernel) against 10.6 (oneDNN's blocked layout) over SmolLM2's bf16 shapes;
     streamed through all its layers, 22 against 18 ms, and whole one-token forwards 37 against 31.
-    Past STREAM_BYTES of weights, every k-th layer is timed and its time scaled to all those layers'
-    bytes; layers of over STREAM_BYTES / 8 (an output embedding) are timed apart, so that one does not
-    stand for more than its share. On the Intel Xeon with AMX (SmolLM2, bf16), 128 MiB so (every other
+    Layers that take one input are timed as the forms run them: from one stacked copy where the form
+    uses copies (`linear_forms`), apart where it does not.
+    Past STREAM_BYTES of weights, every k-th layer (or group) is timed and its time scaled to all those
+    layers' bytes; those of over STREAM_BYTES / 8 (an output embedding) are timed apart, so that one does
+    not stand for more than its share. On the Intel Xeon with AMX (SmolLM2, bf16), 128 MiB so (every other
     layer) gave the same ratios between forms as all layers (blocked layout 0.65-0.74 of F.linear's
     time, ATen's kernel 1.05-1.10, against 0.72-0.74 and 0.98-1.09), 64 MiB did not (ATen's 0.62-0.76)."""
-    layers = list({id(m): m for model in models for m in _linears(model)}.values())
-    big = [m for m in layers if m.weight.nbytes > STREAM_BYTES // 8]
-    rest = [m for m in layers if m.weight.nbytes <= STREAM_BYTES // 8]
-    size = sum(m.weight.nbytes for m in rest)
+    units = _units(models)
+    groups = [u for u in units if len(u) > 1]
+
+    def nbytes(unit: tuple[nn.Linear, ...]) -> int:
+        return sum(m.weight.nbytes for m in unit)
+
+    big = [u for u in units if nbytes(u) > STREAM_BYTES // 8]
+    rest = [u for u in units if nbytes(u) <= STREAM_BYTES // 8]
+    size = sum(map(nbytes, rest))
     sample = rest[:: max(1, -(-size // STREAM_BYTES))]
-    scale = size / max(1, sum(m.weight.nbytes for m in sample))
-    xs = {m.in_features: torch.randn(1, m.in_features).to(m.weight.dtype) for m in layers}
+    scale = size / max(1, sum(map(nbytes, sample)))
+    xs = {u[0].in_features: torch.randn(1, u[0].in_features).to(u[0].weight.dtype) for u in units}
     ms = {}
     for form in forms:
         if form in COPIES and copies is not None:
-            copies.prepare(layers, form)
+            copies.prepare_fused(groups, form)
+            copies.prepare([m for u in units if len(u) == 1 or copies.get_fused(u, form) is None for m in u], form)
 
-        def copy_of(m: nn.Linear) -> torch.Tensor | None:
+        def products(unit: tuple[nn.Linear, ...]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+            """The (weight, copy) of each product one row of `unit` takes in this form."""
             if form not in COPIES:
-                return None
-            return make_copy(m.weight, form) if copies is None else copies.get(m, form)
+                return [(m.weight, None) for m in unit]
+            if len(unit) > 1:
+                stacked = (copies.get_fused(unit, form) or (None,))[0] if copies is not None else make_copy(
+                    torch.cat([m.weight.detach() for m in unit]), form)
+                if stacked is not None:
+                    return [(None, stacked)]
+            return [(m.weight, make_copy(m.weight, form) if copies is None else copies.get(m, form)) for m in unit]
 
-        def stream(part: list[nn.Linear]) -> float:
-            made = [copy_of(m) for m in part]
+        def stream(part: list[tuple[nn.Linear, ...]]) -> float:
+            made = [(xs[u[0].in_features], products(u)) for u in part]
 
             def run():
-                for m, copy in zip(part, made):
-                    form_linear(xs[m.in_features], m.weight, None, form, copy)
+                for x, pairs in made:
+                    for weight, copy in pairs:
+                        form_linear(x, weight, None, form, copy)
 
             return _best_ms(run, reps) if part else 0.0
 
         ms[form] = scale * stream(sample) + stream(big)
     return ms
+
+
+def _units(models: list[nn.Module]) -> list[tuple[nn.Linear, ...]]:
+    """The models' plain linear layers in the order a forward runs them, a `shared_input_groups` group as one."""
+    layers = list({id(m): m for model in models for m in _linears(model)}.values())
+    first = {id(g[0]): g for g in shared_input_groups(models)}
+    grouped = {id(m) for g in first.values() for m in g}
+    return [first.get(id(m), (m,)) for m in layers if id(m) not in grouped or id(m) in first]
 
 
 @torch.no_grad()

@@ -460,14 +460,18 @@ def test_one_row_is_timed_through_every_layer_in_turn(monkeypatch):
     monkeypatch.setattr(linears, "onednn_serves", lambda d: True)
     seen = []
     monkeypatch.setattr(linears, "form_linear", lambda x, w, b, form, copy=None: seen.append(
-        (x.shape[0], w.data_ptr(), form, copy is not None)) or F.linear(x, w, b))
+        (x.shape[0], None if w is None else w.data_ptr(), form, copy is not None)))
     monkeypatch.setattr(linears, "make_copy", lambda w, form: w.detach().clone())
     model = tiny_model("llama").to(torch.bfloat16)
     faster_forms([model], reps=1, copy_limit=10**9)
     layers = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Linear)}
     shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    for form in ("linear", "native", "packed"):
+    for form in ("linear", "native"):
         assert {ptr for rows, ptr, f, _ in seen if rows == 1 and f == form} == layers
+    # from copies, layers that take one input are one product of their stacked copy (no weight of its own)
+    grouped = {m.weight.data_ptr() for g in shared_input_groups([model]) for m in g}
+    packed = [ptr for rows, ptr, f, _ in seen if rows == 1 and f == "packed"]
+    assert set(packed) == (layers - grouped) | {None} and grouped
     assert all(has_copy == (form == "packed") for rows, _, form, has_copy in seen if rows == 1)
     assert len({ptr for rows, ptr, f, _ in seen if rows == 2 and f == "linear"}) == len(shapes) < len(layers)
 
@@ -475,24 +479,20 @@ def test_one_row_is_timed_through_every_layer_in_turn(monkeypatch):
 def test_one_row_streams_through_every_kth_layer_of_a_large_model_scaled_to_all(monkeypatch):
     """Past STREAM_BYTES of weights every k-th layer is timed at one row, and the time is scaled by those
     layers' bytes over the timed ones' (so it stands beside the other row counts' totals); a layer of over
-    STREAM_BYTES / 8 (the output embedding) is timed apart, whole, so it counts its own share only."""
+    STREAM_BYTES / 8 (an output embedding) is timed apart, whole, so it counts its own share only."""
     import clover_hf.linears as linears
 
-    model = tiny_model("llama").to(torch.bfloat16)
-    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    stream = 8 * max(m.weight.nbytes for m in layers if m is not model.lm_head)  # the lm_head alone past an eighth
-    monkeypatch.setattr(linears, "STREAM_BYTES", stream)
-    big = [m for m in layers if m.weight.nbytes > stream // 8]
-    rest = [m for m in layers if m not in big]
-    assert big == [model.lm_head] and len(rest) > 6
-    size = sum(m.weight.nbytes for m in rest)
-    sample = rest[:: -(-size // stream)]
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16, bias=False) for _ in range(24)),
+                                torch.nn.Linear(16, 64, bias=False))
+    layers = list(model)
+    small = layers[0].weight.nbytes
+    monkeypatch.setattr(linears, "STREAM_BYTES", 8 * small)  # every third small layer; the last (4x) apart
     seen = []
     monkeypatch.setattr(linears, "form_linear", lambda x, w, b, form, copy=None: seen.append(w.data_ptr()))
     monkeypatch.setattr(linears, "_best_ms", lambda fn, reps: fn() or 1.0)  # 1 ms for each part timed
     ms = linears._streamed_ms([model], ["linear"], reps=1)
-    assert 1 < len(sample) < len(rest) and seen == [m.weight.data_ptr() for m in sample + big]
-    assert ms["linear"] == pytest.approx(size / sum(m.weight.nbytes for m in sample) + 1.0)
+    assert seen == [m.weight.data_ptr() for m in layers[0:24:3] + layers[-1:]]
+    assert ms["linear"] == pytest.approx(24 / 8 + 1.0)
 
 
 @pytest.mark.skipif(not onednn_packs(), reason="this torch build has no oneDNN blocked layout")
@@ -505,12 +505,18 @@ def test_copies_made_to_time_one_row_are_kept_for_the_forms(monkeypatch):
     monkeypatch.setattr(linears, "make_copy", lambda w, f: made.append(f) or make_copy(w, f))
     model = tiny_model("llama")
     layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    groups = shared_input_groups([model])
+    grouped = {id(m) for g in groups for m in g}
     copies = WeightCopies()
     faster_forms([model], reps=1, copy_limit=copies_nbytes([model], "packed"), copies=copies)
-    per_layer = made.count("packed")
-    assert all(copies.get(m, "packed") is not None for m in layers) and per_layer >= len(layers)
-    copies.prepare(layers, "packed")  # what `linear_forms` does as a block starts
-    assert made.count("packed") == per_layer  # none made again
+    count = made.count("packed")
+    assert all(copies.get_fused(g, "packed") is not None for g in groups)
+    assert all(copies.get(m, "packed") is not None for m in layers if id(m) not in grouped)
+    shapes = {tuple(m.weight.shape) for m in layers}  # more rows are timed on one copy per shape
+    assert count == len(layers) - len(grouped) + len(groups) + len(shapes)  # one copy per layer or group
+    with linear_forms([model], {1: "packed"}, copies):  # the forms use them
+        pass
+    assert made.count("packed") == count  # none made again
     short = WeightCopies()  # no room: timed from copies made for the timing alone, none kept
     faster_forms([model], reps=1, copy_limit=0, copies=short)
     assert short.nbytes == 0 and all(short.get(m, "packed") is None for m in layers)
