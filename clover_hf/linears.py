@@ -232,6 +232,7 @@ class WeightCopies:
         # a group of layers that take one input (`shared_input_groups`), by its first: one copy of their
         # weights stacked, and their biases stacked
         self._fused: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, tuple | None, int]] = weakref.WeakKeyDictionary()
+        self.apart: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # first layers of groups seen taking other inputs
 
     def _recount(self) -> None:
         self.nbytes = sum(entry[2] for entries in (self._copies, self._fused) for entry in entries.values())
@@ -307,6 +308,12 @@ class WeightCopies:
             self._fused[group[0]] = (stamp, None if copy is None else (copy, bias), 0 if copy is None else size)
         self._recount()
 
+    def drop_fused(self, groups: Iterable[tuple[nn.Linear, ...]]) -> None:
+        """Free the groups' stacked copies (groups found taking other inputs: their layers get their own)."""
+        for group in groups:
+            self._fused.pop(group[0], None)
+        self._recount()
+
     def clear(self) -> None:
         self._copies.clear()
         self._fused.clear()
@@ -363,7 +370,7 @@ def _streamed_ms(models: list[nn.Module], forms: Iterable[str], reps: int, copie
     not stand for more than its share. On the Intel Xeon with AMX (SmolLM2, bf16), 128 MiB so (every other
     layer) gave the same ratios between forms as all layers (blocked layout 0.65-0.74 of F.linear's
     time, ATen's kernel 1.05-1.10, against 0.72-0.74 and 0.98-1.09), 64 MiB did not (ATen's 0.62-0.76)."""
-    units = _units(models)
+    units = _units(models, () if copies is None else copies.apart)
     groups = [u for u in units if len(u) > 1]
 
     def nbytes(unit: tuple[nn.Linear, ...]) -> int:
@@ -406,10 +413,12 @@ def _streamed_ms(models: list[nn.Module], forms: Iterable[str], reps: int, copie
     return ms
 
 
-def _units(models: list[nn.Module]) -> list[tuple[nn.Linear, ...]]:
-    """The models' plain linear layers in the order a forward runs them, a `shared_input_groups` group as one."""
+def _units(models: list[nn.Module], apart: Iterable[nn.Module] = ()) -> list[tuple[nn.Linear, ...]]:
+    """The models' plain linear layers in the order a forward runs them, a `shared_input_groups` group as
+    one (but those whose first layer is in `apart`)."""
     layers = list({id(m): m for model in models for m in _linears(model)}.values())
-    first = {id(g[0]): g for g in shared_input_groups(models)}
+    apart = {id(m) for m in apart}
+    first = {id(g[0]): g for g in shared_input_groups(models) if id(g[0]) not in apart}
     grouped = {id(m) for g in first.values() for m in g}
     return [first.get(id(m), (m,)) for m in layers if id(m) not in grouped or id(m) in first]
 
@@ -604,23 +613,31 @@ def shared_input_groups(models: Iterable[nn.Module]) -> list[tuple[nn.Linear, ..
 
 class _Stacked:
     """One group's product: its first layer computes every member's output from the stacked copy and
-    keeps the others' for them, as long as they are called with that same input."""
+    keeps the others' for them, as long as they are called with that same input. A member called with
+    another input (an attention whose keys read other states than its queries) computes on its own,
+    and so does the whole group from then on; `apart` remembers it, so later blocks keep the layers'
+    own copies."""
 
-    def __init__(self, group: tuple[nn.Linear, ...], copy: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.first, self.copy, self.bias = group[0], copy, bias
+    def __init__(self, group: tuple[nn.Linear, ...], copy: torch.Tensor, bias: torch.Tensor | None,
+                 apart: weakref.WeakSet) -> None:
+        self.first, self.copy, self.bias, self.apart = group[0], copy, bias, apart
         self.sizes = [m.out_features for m in group]
         self.ids = [id(m) for m in group]
         self.input: torch.Tensor | None = None
         self.outputs: dict[int, torch.Tensor] = {}
 
     def __call__(self, layer: nn.Linear, x: torch.Tensor, form: str) -> torch.Tensor:
+        if self.first in self.apart:
+            return form_linear(x, layer.weight, layer.bias, form)  # without a copy until the next block
         if layer is self.first:
             parts = form_linear(x, None, self.bias, form, self.copy).split(self.sizes, dim=-1)
             self.input, self.outputs = x, dict(zip(self.ids[1:], parts[1:]))
             return parts[0]
         if x is self.input and id(layer) in self.outputs:
             return self.outputs.pop(id(layer))
-        return form_linear(x, layer.weight, layer.bias, form)  # called apart: its own product, without a copy
+        self.apart.add(self.first)
+        self.input, self.outputs = None, {}
+        return form_linear(x, layer.weight, layer.bias, form)
 
 
 @contextlib.contextmanager
@@ -645,11 +662,13 @@ def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: Weight
     stacked: dict[int, _Stacked] = {}
     if copies is not None and kind is not None:
         groups = shared_input_groups(models)
+        copies.drop_fused([g for g in groups if g[0] in copies.apart])
+        groups = [g for g in groups if g[0] not in copies.apart]
         copies.prepare_fused(groups, kind)
         for group in groups:
             entry = copies.get_fused(group, kind)
             if entry is not None:
-                stacked |= dict.fromkeys((id(m) for m in group), _Stacked(group, *entry))
+                stacked |= dict.fromkeys((id(m) for m in group), _Stacked(group, *entry, copies.apart))
         copies.prepare([m for m in layers if id(m) not in stacked], kind)
     made = {} if copies is None or kind is None else {id(m): copies.get(m, kind) for m in layers if id(m) not in stacked}
     form_of: dict[int, str] = {}

@@ -572,3 +572,34 @@ def test_a_member_called_with_another_input_computes_on_its_own():
     with linear_forms([model], {1: "float32_copy", 2: "float32_copy"}, copies):
         assert torch.allclose(model(x), ref, atol=1e-6)
         assert torch.allclose(model(x[:1]), ref[:1], atol=1e-6)
+
+
+def test_a_group_seen_taking_other_inputs_keeps_its_own_copies_from_then_on():
+    """Clover's attention decoders name q/k/v like a decoder layer's, but read their keys from other
+    states: once a member is called with another input the group computes apart, and the next block
+    gives its layers their own copies instead of a stacked one."""
+
+    class Cross(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(8, 4) for _ in range(3))
+
+        def forward(self, x, states):
+            return torch.cat([self.q_proj(x), self.k_proj(states), self.v_proj(states)], dim=-1)
+
+    torch.manual_seed(0)
+    model, x, states = Cross(), torch.randn(2, 8), torch.randn(2, 8)
+    ref = model(x, states)
+    group = (model.q_proj, model.k_proj, model.v_proj)
+    copies = WeightCopies(limit=10**6)
+    forms = {1: "float32_copy", 2: "float32_copy"}
+    with linear_forms([model], forms, copies):
+        assert copies.get_fused(group, "float32_copy") is not None
+        assert torch.allclose(model(x, states), ref, atol=1e-6)
+        assert torch.allclose(model(x, states), ref, atol=1e-6)  # apart from here on
+    assert model.q_proj in copies.apart
+    with linear_forms([model], forms, copies):
+        assert copies.get_fused(group, "float32_copy") is None
+        assert all(copies.get(m, "float32_copy") is not None for m in group)
+        assert torch.allclose(model(x, states), ref, atol=1e-6)
+    assert copies.nbytes == copies_nbytes([model], "float32_copy")
