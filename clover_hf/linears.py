@@ -308,11 +308,15 @@ class WeightCopies:
             self._fused[group[0]] = (stamp, None if copy is None else (copy, bias), 0 if copy is None else size)
         self._recount()
 
-    def drop_fused(self, groups: Iterable[tuple[nn.Linear, ...]]) -> None:
-        """Free the groups' stacked copies (groups found taking other inputs: their layers get their own)."""
-        for group in groups:
-            self._fused.pop(group[0], None)
-        self._recount()
+    def prepare_units(self, units: list[tuple[nn.Linear, ...]], form: str) -> None:
+        """The copies for `form` of `_units`: one stacked copy per group, the layer's own for a layer
+        alone, and for the layers of a group whose stacked copy could not be made. A layer alone keeps
+        no stacked copy (a group found taking other inputs is split up)."""
+        for unit in units:
+            if len(unit) == 1:
+                self._fused.pop(unit[0], None)
+        self.prepare_fused([u for u in units if len(u) > 1], form)
+        self.prepare([m for u in units if len(u) == 1 or self.get_fused(u, form) is None for m in u], form)
 
     def clear(self) -> None:
         self._copies.clear()
@@ -371,7 +375,6 @@ def _streamed_ms(models: list[nn.Module], forms: Iterable[str], reps: int, copie
     layer) gave the same ratios between forms as all layers (blocked layout 0.65-0.74 of F.linear's
     time, ATen's kernel 1.05-1.10, against 0.72-0.74 and 0.98-1.09), 64 MiB did not (ATen's 0.62-0.76)."""
     units = _units(models, () if copies is None else copies.apart)
-    groups = [u for u in units if len(u) > 1]
 
     def nbytes(unit: tuple[nn.Linear, ...]) -> int:
         return sum(m.weight.nbytes for m in unit)
@@ -385,8 +388,7 @@ def _streamed_ms(models: list[nn.Module], forms: Iterable[str], reps: int, copie
     ms = {}
     for form in forms:
         if form in COPIES and copies is not None:
-            copies.prepare_fused(groups, form)
-            copies.prepare([m for u in units if len(u) == 1 or copies.get_fused(u, form) is None for m in u], form)
+            copies.prepare_units(units, form)
 
         def products(unit: tuple[nn.Linear, ...]) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
             """The (weight, copy) of each product one row of `unit` takes in this form."""
@@ -621,13 +623,14 @@ class _Stacked:
     def __init__(self, group: tuple[nn.Linear, ...], copy: torch.Tensor, bias: torch.Tensor | None,
                  apart: weakref.WeakSet) -> None:
         self.first, self.copy, self.bias, self.apart = group[0], copy, bias, apart
+        self.alone = False  # a member took another input: the group computes apart for the rest of the block
         self.sizes = [m.out_features for m in group]
         self.ids = [id(m) for m in group]
         self.input: torch.Tensor | None = None
         self.outputs: dict[int, torch.Tensor] = {}
 
     def __call__(self, layer: nn.Linear, x: torch.Tensor, form: str) -> torch.Tensor:
-        if self.first in self.apart:
+        if self.alone:
             return form_linear(x, layer.weight, layer.bias, form)  # without a copy until the next block
         if layer is self.first:
             parts = form_linear(x, None, self.bias, form, self.copy).split(self.sizes, dim=-1)
@@ -635,6 +638,7 @@ class _Stacked:
             return parts[0]
         if x is self.input and id(layer) in self.outputs:
             return self.outputs.pop(id(layer))
+        self.alone = True
         self.apart.add(self.first)
         self.input, self.outputs = None, {}
         return form_linear(x, layer.weight, layer.bias, form)
@@ -661,15 +665,12 @@ def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: Weight
     kind = copy_form(forms)
     stacked: dict[int, _Stacked] = {}
     if copies is not None and kind is not None:
-        groups = shared_input_groups(models)
-        copies.drop_fused([g for g in groups if g[0] in copies.apart])
-        groups = [g for g in groups if g[0] not in copies.apart]
-        copies.prepare_fused(groups, kind)
-        for group in groups:
+        units = _units(models, copies.apart)
+        copies.prepare_units(units, kind)
+        for group in (u for u in units if len(u) > 1):
             entry = copies.get_fused(group, kind)
             if entry is not None:
                 stacked |= dict.fromkeys((id(m) for m in group), _Stacked(group, *entry, copies.apart))
-        copies.prepare([m for m in layers if id(m) not in stacked], kind)
     made = {} if copies is None or kind is None else {id(m): copies.get(m, kind) for m in layers if id(m) not in stacked}
     form_of: dict[int, str] = {}
 
