@@ -59,6 +59,9 @@ class CostModel:
     # how linear layers compute each row count (batch rows x tokens; `linears.faster_forms`), which the
     # costs were timed under; None: not measured yet
     forms: dict[int, str] | None = None
+    # the widths a compiled forward is padded to (`verify_forward.BUCKETS`): a width costs what its bucket
+    # does, and only buckets are timed; None: every width is its own forward
+    buckets: tuple[int, ...] | None = None
 
     @classmethod
     def from_function(cls, fn: Callable[[int, int], float], rows: range | tuple = range(1, 9),
@@ -78,8 +81,14 @@ class CostModel:
             self.ms[rows] = dict(self.ms[min(self.ms, key=lambda r: (abs(r - rows), -r))])
         return self.ms[rows]
 
+    def _bucket(self, width: int) -> int:
+        fits = [b for b in self.buckets or () if b >= width]
+        return fits[0] if fits else width
+
     def predict(self, rows: int, width: int) -> float:
-        """Linear between measured widths; past the widest, proportional to the width."""
+        """Linear between measured widths; past the widest, proportional to the width (a bucket's width
+        costs what the bucket does)."""
+        width = self._bucket(width)
         curve = self.curve(rows)
         if width in curve:
             return curve[width]
@@ -94,12 +103,13 @@ class CostModel:
 
     def widths(self, rows: int, limit: int) -> list[int]:
         """The widths to choose among: those measured below `limit`, and `limit` (the whole tree)."""
-        return sorted({w for w in self.curve(rows) if w < limit} | {limit})
+        return sorted({w for w in self.curve(rows) if w < limit and (self.buckets is None or w in self.buckets)}
+                      | {limit})
 
     def staleness(self, rows: int, width: int) -> float:
         """From 0 (timed on the last step) to 1 (the steps timed since, or by this process, took
         `STALE_COST` times the width's own estimate)."""
-        since = self.timed_ms - self.timed_at.get(rows, {}).get(width, 0.0)
+        since = self.timed_ms - self.timed_at.get(rows, {}).get(self._bucket(width), 0.0)
         return min(since / (STALE_COST * self.predict(rows, width)), 1.0)
 
     def price(self, rows: int, width: int) -> float:
@@ -135,9 +145,11 @@ class CostModel:
         self.timed_at.setdefault(rows, {})[width] = self.timed_ms
 
     def untimed(self, rows: int, limit: int) -> list[int]:
-        """The calibrated widths up to `limit` (and `limit`) with no cost for `rows` rows yet, narrowest first."""
+        """The calibrated widths (or buckets) up to `limit` (and `limit`) with no cost for `rows` rows yet,
+        narrowest first."""
         timed = self.ms.get(rows, {})
-        return [w for w in [*(w for w in CALIBRATED if w < limit), limit] if w not in timed]
+        return [w for w in [*(w for w in self.buckets or CALIBRATED if w < limit), limit]
+                if self._bucket(w) not in timed]
 
     def to_json(self) -> dict:
         data = {str(r): {str(w): round(ms, 3) for w, ms in sorted(c.items())} for r, c in self.ms.items()}
@@ -456,7 +468,8 @@ class DraftBudget:
             self._acceptance[key] = AcceptanceModel(depth, chain)
         return self._acceptance[key]
 
-    def _stored(self, key: str) -> CostModel:
+    def stored(self, key: str) -> CostModel:
+        """The costs kept for `key`: loaded from the user cache at first, then learnt in this process."""
         if key not in self._costs:
             self._costs[key] = load_costs(key, self.cache_dir) or CostModel()
         return self._costs[key]
@@ -468,7 +481,7 @@ class DraftBudget:
         are dropped. A fixed cost model uses its own (none unless set)."""
         if self.fixed is not None:
             return self.fixed.forms or {}
-        costs = self._stored(key)
+        costs = self.stored(key)
         if calibrate or (calibrate is None and costs.forms is None):
             forms = measure(self.copy_limit())
             if forms != costs.forms:  # curves timed under other forms no longer hold
@@ -491,7 +504,7 @@ class DraftBudget:
             if not self.fixed.ms:
                 raise ValueError("the cost model given as budget holds no costs: build it with CostModel.from_function")
             return self.fixed
-        costs = self._stored(key)
+        costs = self.stored(key)
         if calibrate is None:
             return costs
         if calibrate:

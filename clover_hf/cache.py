@@ -1,4 +1,10 @@
-"""The KV cache: how a forward takes it, and its compaction to the accepted tree nodes after a verification forward."""
+"""The KV cache: how a forward takes it, and its compaction to the accepted tree nodes after a verification forward.
+
+Two kinds: a `DynamicCache`, whose tensors grow by concatenation and are cut by slicing, and transformers'
+`StaticCache`, preallocated to a fixed number of slots (`capacity`) and written in place at its
+`cumulative_length`, which compaction moves back instead of cropping: its tensors keep their addresses,
+as a compiled forward (and CUDA graphs) need.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import functools
 import inspect
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 
@@ -31,8 +37,56 @@ def cache_keyword(model_class: type) -> str:
 OUTPUT_CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)} else "past_key_values"
 
 
+def is_static(cache) -> bool:
+    """Whether `cache` is preallocated and written in place (transformers' static layers)."""
+    return isinstance(cache, StaticCache)
+
+
+def static_cache(model, capacity: int) -> StaticCache:
+    """A static cache of `capacity` slots per layer for `model`, allocated at its first forward."""
+    return StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=capacity)
+
+
+def capacity(cache) -> int | None:
+    """The number of slots per layer of a static cache; None for a cache that grows."""
+    return min(layer.max_cache_len for layer in cache.layers) if is_static(cache) else None
+
+
+def static_sliding_layers(cache) -> bool:
+    """Whether a static cache holds sliding-window layers, which keep only the last window of keys and
+    would drop the prefix keys a tree's compaction moves."""
+    return is_static(cache) and any(getattr(layer, "is_sliding", False) for layer in cache.layers)
+
+
 def _layers(cache: DynamicCache):
     return [layer for layer in cache.layers if getattr(layer, "is_initialized", True)]
+
+
+def _set_length(layer, end: int) -> None:
+    """A layer's stored length after compaction: a static layer's write position moves back (in place, so
+    its address stays fixed for compiled forwards), a dynamic layer's tensors are cut."""
+    if hasattr(layer, "cumulative_length"):
+        layer.cumulative_length.fill_(end)
+    else:
+        layer.keys = layer.keys[..., :end, :]
+        layer.values = layer.values[..., :end, :]
+
+
+def _replace(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Give a layer new key and value tensors (fewer rows or slots). A static layer keeps its size: the
+    new ones are written at its first slots, or, with fewer rows, into fresh tensors of its size."""
+    if not hasattr(layer, "cumulative_length"):
+        layer.keys, layer.values = keys, values
+        return
+    if keys.shape[0] != layer.keys.shape[0]:
+        shape = (keys.shape[0], *layer.keys.shape[1:])
+        layer.keys, layer.values = layer.keys.new_zeros(shape), layer.values.new_zeros(shape[:-1] + values.shape[-1:])
+        if not torch.compiler.is_compiling():
+            torch._dynamo.mark_static_address(layer.keys)
+            torch._dynamo.mark_static_address(layer.values)
+    layer.keys[..., : keys.shape[-2], :] = keys
+    layer.values[..., : values.shape[-2], :] = values
+    layer.cumulative_length.fill_(keys.shape[-2])
 
 
 def _gather_slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -67,8 +121,7 @@ def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> N
         if start < keep.shape[1]:
             for t in (layer.keys, layer.values):
                 t[..., prefix_len + start : end, :] = _gather_slots(t, src)
-        layer.keys = layer.keys[..., :end, :]
-        layer.values = layer.values[..., :end, :]
+        _set_length(layer, end)
 
 
 def select_rows(cache: DynamicCache, rows: torch.Tensor, columns: torch.Tensor | None = None) -> None:
@@ -78,14 +131,18 @@ def select_rows(cache: DynamicCache, rows: torch.Tensor, columns: torch.Tensor |
         columns = columns.nonzero().squeeze(1)  # one host sync here, not one per layer as a mask index costs
     for layer in _layers(cache):
         keep = rows.to(layer.keys.device)
-        layer.keys, layer.values = layer.keys[keep], layer.values[keep]
+        keys, values = layer.keys[keep], layer.values[keep]
         if columns is not None:
             used = columns.to(layer.keys.device)
-            layer.keys, layer.values = layer.keys[..., used, :], layer.values[..., used, :]
+            keys, values = keys[..., used, :], values[..., used, :]
+        elif hasattr(layer, "cumulative_length"):  # a static layer's slots past its length hold nothing
+            length = int(layer.cumulative_length)
+            keys, values = keys[..., :length, :], values[..., :length, :]
+        _replace(layer, keys, values)
 
 
 def select_slots(cache: DynamicCache, index: torch.Tensor) -> None:
     """Keep, per row, the key positions in `index` (B, C), in that order. Keys carry their rotary
     position already and every mask is built from explicit positions, so slots may move freely."""
     for layer in _layers(cache):
-        layer.keys, layer.values = _gather_slots(layer.keys, index), _gather_slots(layer.values, index)
+        _replace(layer, _gather_slots(layer.keys, index), _gather_slots(layer.values, index))

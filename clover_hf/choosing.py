@@ -16,7 +16,6 @@ from .drafting import Draft, shallower
 from .hardware import timed
 from .rows import Batch
 from .tree import DynamicTree, TreeBuffers
-from .verification import base_forward
 
 
 EXPLORE_LIMIT = 3.0  # the first steps stop learning wider widths once one costs this many one-token steps
@@ -35,15 +34,19 @@ class StepBudget:
 
     @classmethod
     def start(cls, budget: DraftBudget | None, key: str | None, calibrate: bool | None, model: PreTrainedModel,
-              batch: Batch, widest: int, depth: int, lookup_max: int, sample: bool) -> StepBudget | None:
+              batch: Batch, widest: int, depth: int, lookup_max: int, sample: bool, verify: Callable,
+              buckets: tuple[int, ...] | None = None) -> StepBudget | None:
         """The budget for this call with its verify costs: those not known yet are learnt from the first
         steps, or timed now (`calibrate`: see `DraftBudget.costs`); None without a budget or costs, or
-        for a budget that does not cut (`DraftBudget.whole_tree`): the whole tree is verified every step."""
+        for a budget that does not cut (`DraftBudget.whole_tree`): the whole tree is verified every step.
+        `buckets`: the widths a compiled `verify` pads trees to (only those are timed)."""
         if budget is None or not budget.cut or not batch.active:
             return None
         widest = min(widest, budget.widest or widest)
         rows = len(batch.active)
-        costs = budget.costs(key, rows, widest, measure_verify(model, batch, batch.active[0].root), calibrate)
+        if budget.fixed is None and key is not None:
+            budget.stored(key).buckets = buckets
+        costs = budget.costs(key, rows, widest, measure_verify(model, batch, batch.active[0].root, verify), calibrate)
         if costs is None:
             return None
         acceptance = budget.acceptance(sample, depth, lookup_max)
@@ -74,7 +77,7 @@ class StepBudget:
             drafting_s = time.perf_counter() - started - augment_s
             draft_ms = (1000 * drafting_s, 1000 * augment_s / max(augmented, 1))
         self.exploring = bool(self.explore)
-        width = self.explore.pop(0) if self.explore else None
+        width = self.explore[0] if self.explore else None  # taken off once its step is timed
         drafts, self.buckets = choose_nodes(drafts, self.acceptance, self.costs, self.budget.gate, draft_ms,
                                             explore=self.budget.fixed is None, most=self.budget.widest, width=width)
         return drafts
@@ -83,8 +86,14 @@ class StepBudget:
         """Learn which of the row's verified nodes were accepted."""
         self.acceptance.observe(self.buckets[row], draft.host[1], nodes.tolist())
 
-    def verified(self, rows: int, width: int, started: float) -> None:
-        """Refine the costs with this step's time since `started` (before the verify forward) for `rows` x `width` tokens."""
+    def verified(self, rows: int, width: int, started: float, settled: bool = True) -> None:
+        """Refine the costs with this step's time since `started` (before the verify forward) for `rows` x `width`
+        tokens; a step that was not `settled` (its forward compiled) teaches nothing, and what it explored
+        is explored again."""
+        if not settled:
+            return
+        if self.exploring and self.explore:
+            self.explore.pop(0)
         if self.budget.fixed is None:
             ms = 1000 * (time.perf_counter() - started)
             timed = self.costs.ms.get(rows, {})
@@ -141,18 +150,19 @@ def choose_nodes(drafts: list[Draft], acceptance: AcceptanceModel, costs: CostMo
     return cut, cut_buckets
 
 
-def measure_verify(model: PreTrainedModel, batch: Batch, token: torch.Tensor) -> Callable[[int], float]:
-    """`measure(width) -> ms`: the time of one forward of `width` tokens per row over the batch's cache
-    as it is, which is then cut back. Calibrates the draft budget's cost model."""
+def measure_verify(model: PreTrainedModel, batch: Batch, token: torch.Tensor, verify: Callable) -> Callable[[int], float]:
+    """`measure(width) -> ms`: the time of one forward (`verify`, a `VerifyForward`) of `width` tokens per row
+    over the batch's cache as it is, which is then cut back. Calibrates the draft budget's cost model."""
     rows, past_len = batch.positions.shape
     device = batch.positions.device
     last = batch.positions.max(dim=1, keepdim=True).values  # a position every model embeds: one it already has
 
     def measure(width: int) -> float:
+        width = verify.width(width, batch.room())
         new_pos = last.expand(rows, width)
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(rows, -1, -1)
-        mask = batch.layout.build(batch.positions, new_pos, causal, model.dtype)
-        _, seconds = timed(lambda: base_forward(model, token.expand(rows, width), mask, new_pos, batch.cache), device)
+        mask = batch.attention(new_pos, causal, model.dtype)
+        _, seconds = timed(lambda: verify(token.expand(rows, width), mask, new_pos, batch.cache), device)
         compact_cache(batch.cache, past_len, new_pos[:, :0])
         return 1000 * seconds
 

@@ -22,14 +22,15 @@ from transformers import GenerationConfig, LogitsProcessorList, MaxLengthCriteri
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .budget import DraftBudget, cost_key
-from .cache import OUTPUT_CACHE_FIELD
+from .cache import OUTPUT_CACHE_FIELD, capacity, is_static, static_cache
 from .choosing import StepBudget
 from .drafting import Draft, draft_rows, stack_trees, static_trees, tree_spec
 from .heads import DraftHeads, DraftLMHead
 from .linears import LinearForms, faster_forms, linear_forms
 from .rows import Batch, Row, pad_id, prefill, sequences, start_rows
 from .tree import DynamicTree, TreeBuffers
-from .verification import MaskLayout, accept_greedy, accept_sampled, base_forward, process_tree_logits
+from .verification import MaskLayout, accept_greedy, accept_sampled, process_tree_logits
+from .verify_forward import VerifyForward, compile_settings
 
 
 @dataclass
@@ -114,11 +115,36 @@ def _decode_context(generate):
     @functools.wraps(generate)  # keeps the signature, which transformers reads for custom arguments
     def run(*args, **kwargs):
         model = kwargs["model"] if "model" in kwargs else args[0]
-        with tree_attention_backends(model.device), torch.inference_mode():
+        # a cache the caller made outlives the call, and inference tensors could not be updated outside it
+        grad_off = torch.no_grad() if _callers_cache(kwargs) is not None else torch.inference_mode()
+        with tree_attention_backends(model.device), grad_off:
             out = generate(*args, **kwargs)
         return _out_of_inference_mode(out)
 
     return run
+
+
+def _callers_cache(model_kwargs: dict):
+    """The cache the caller passed to `generate` (transformers marks it), or None."""
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    return cache if getattr(cache, "_is_user_defined", False) else None
+
+
+def _decode_cache(model: PreTrainedModel, model_kwargs: dict, generation_config: GenerationConfig, widest: int):
+    """The cache to decode into: the caller's own static cache, a static one of room enough for the text and
+    the widest forward where `generate` prepared one (cache_implementation="static"), else None (a dynamic
+    cache, made by the prefill)."""
+    caller = _callers_cache(model_kwargs)
+    if caller is not None:
+        return caller
+    prepared = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if not is_static(prepared):
+        return None
+    slots = max(generation_config.max_length + widest, capacity(prepared))
+    # generate sizes its next static caches to at least this (transformers' own record), so later calls keep
+    # the shapes compiled for this one
+    model._previous_max_cache_length = slots
+    return static_cache(model, slots)
 
 
 @_decode_context
@@ -170,31 +196,41 @@ def clover_generate(
     streamer = clover_streamer if clover_streamer is not None else streamer
     if input_ids.shape[0] > 1 and (any(keep) or streamer is not None):
         raise ValueError("Clover returns scores and streams for batch size 1 only; pass one sequence at a time")
-    plan = _plan(model, clover_heads, input_ids.shape[0], generation_config, stopping_criteria, clover_tree,
-                 clover_lookup, clover_lookup_max, clover_int8_draft, clover_budget, clover_calibrate)
-    stats = clover_stats if clover_stats is not None else GenerationStats()
+    prepared = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # generate's or the caller's
     sample, pre_norm = bool(generation_config.do_sample), clover_heads.config.head_input == "pre_norm"
+    verify = VerifyForward(model, pre_norm, compile_settings(model, generation_config, prepared))
+    plan = _plan(model, clover_heads, input_ids.shape[0], generation_config, stopping_criteria, clover_tree,
+                 clover_lookup, clover_lookup_max, clover_int8_draft, clover_budget, clover_calibrate,
+                 cache_kind=f"static {verify.key}" if is_static(prepared) else None,
+                 compiled=verify.compiled is not None)
+    stats = clover_stats if clover_stats is not None else GenerationStats()
     attention_mask = model_kwargs.get("attention_mask")
     attention_mask = None if attention_mask is None else attention_mask.to(device)
     layout = MaskLayout.for_config(model.config)
 
+    widest = verify.width(plan.widest, None)
+    cache = _decode_cache(model, model_kwargs, generation_config, widest)
+
     copies = None if clover_budget is None else clover_budget.use_copies(plan.forms)
     with linear_forms([model, clover_heads], plan.forms, copies):  # how this machine multiplies, for the whole call
         # Prefill: the prompts through the base; each row's hidden states wait for the heads' first draft.
-        logits, hidden, positions, cache, plain_mask = prefill(model, input_ids, attention_mask, layout, pre_norm)
+        logits, hidden, positions, cache, plain_mask = prefill(model, input_ids, attention_mask, layout, pre_norm,
+                                                               cache)
         stats.steps += 1
         rows = start_rows(input_ids, attention_mask, positions, logits, hidden, logits_processor, sample,
                           stopping_criteria, streamer, keep, plan.lookup, plan.embed)
         batch = Batch(rows, cache, positions, layout, plain_mask)
         budget = StepBudget.start(clover_budget, plan.key, clover_calibrate, model, batch, plan.widest, plan.depth,
-                                  plan.lookup_max, sample)
+                                  plan.lookup_max, sample, verify, verify.buckets)
         clock = _Clock(stats.stage_seconds if clover_profile else None, device)  # the steps' stages, from here
         while batch.active:
             drafts, chains = _draft(batch.active, plan, budget, stats, clock)
+            drafts = _fit(drafts, batch.room())
             started = time.perf_counter()
-            ids, node_pos, allowed = stack_trees(drafts, batch.active)
+            width = verify.width(max(d.tokens.shape[0] for d in drafts), batch.room())
+            ids, node_pos, allowed = stack_trees(drafts, batch.active, width)
             mask = batch.attention(node_pos, allowed, model.dtype)
-            logits, hidden = base_forward(model, ids, mask, node_pos, batch.cache, pre_norm=pre_norm)
+            logits, hidden = verify(ids, mask, node_pos, batch.cache)
             stats.steps += 1
             clock.lap("verify forward")
             accepted = _accept_rows(batch.active, drafts, logits, logits_processor, sample, stats, budget)
@@ -202,8 +238,8 @@ def clover_generate(
             news, kept = _emit_rows(batch.active, drafts, chains, accepted, logits, plan.lookup, plan.lookup_max)
             batch.keep(kept, node_pos)
             clock.lap("emit + compact")
-            if budget is not None:
-                budget.verified(len(batch.active), ids.shape[1], started)
+            if budget is not None:  # a step that compiled its forward is not `settled`: no cost to learn
+                budget.verified(len(batch.active), ids.shape[1], started, verify.settled)
             _feed_heads(batch.active, accepted, news, hidden, node_pos, plan.embed)
             batch.drop_finished()
 
@@ -248,9 +284,12 @@ class _Plan:
 
 def _plan(model: PreTrainedModel, heads: DraftHeads, batch: int, generation_config: GenerationConfig,
           stopping_criteria: StoppingCriteriaList, tree, lookup: int | None, lookup_max: int | None, int8: bool | None,
-          budget: DraftBudget | None, calibrate: bool | None) -> _Plan:
+          budget: DraftBudget | None, calibrate: bool | None, cache_kind: str | None = None, compiled: bool = False
+          ) -> _Plan:
     """The call's tree, lookup chain and draft rows from the arguments and the heads' config (refusing what
-    would fail only after decoding started), and the linear forms the budget has for this machine."""
+    would fail only after decoding started), and the linear forms the budget has for this machine (none
+    where the forward is `compiled`: the compiler chooses its kernels). `cache_kind` ("static eager", ...)
+    keys the verify costs apart from a dynamic cache's."""
     device = model.device
     spec = tree_spec(tree, heads.config, device, batch)
     if isinstance(spec, DynamicTree) and not heads.dynamic_trees:
@@ -266,8 +305,9 @@ def _plan(model: PreTrainedModel, heads: DraftHeads, batch: int, generation_conf
         raise ValueError(f"the tree is {depth} deep but the heads draft {heads.config.num_heads} tokens")
     if int8 is None:  # by default only where it was measured to pay: the CPU in bf16
         int8 = device.type == "cpu" and model.dtype == torch.bfloat16
-    key = None if budget is None else f"{cost_key(model, device)}|{budget.key_suffix()}"
-    forms = {} if key is None else budget.forms(
+    key = None if budget is None else "|".join([cost_key(model, device), budget.key_suffix()]
+                                               + ([cache_kind] if cache_kind else []))
+    forms = {} if key is None or compiled else budget.forms(
         key, calibrate, lambda limit: faster_forms([model, heads], copy_limit=limit, copies=budget.copies))
     lm_head = dataclasses.replace(heads.draft_lm_head(model.get_output_embeddings(), int8=int8), forms=forms)
     return _Plan(heads, spec, trees, depth, lookup, lookup_max, heads.token_embedding(model), lm_head,
@@ -290,6 +330,14 @@ def _draft(rows: list[Row], plan: _Plan, budget: StepBudget | None, stats: Gener
         drafts = budget.choose(drafts, with_heads, started, augment_s, augmented)
         clock.lap("choose")
     return drafts, chains
+
+
+def _fit(drafts: list[Draft], room: int | None) -> list[Draft]:
+    """The drafts cut to the root where a static cache has no room left for the whole tree (a caller's own
+    cache, sized for the text alone: near its end, steps verify one token)."""
+    if room is None or all(d.tokens.shape[0] <= room for d in drafts):
+        return drafts
+    return [d.root_only() for d in drafts]
 
 
 def _accept_rows(rows: list[Row], drafts: list[Draft], logits: torch.Tensor, logits_processor, sample: bool,

@@ -64,21 +64,23 @@ def catch_up(heads: DraftHeads, row) -> int:
     return positions.shape[1]
 
 
-def stack_trees(drafts: list[Draft], rows: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One (B, N) forward's tokens, positions and (B, N, N) attention among new tokens.
+def stack_trees(drafts: list[Draft], rows: list, width: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One (B, N) forward's tokens, positions and (B, N, N) attention among new tokens; N is the largest
+    tree's size, or `width` where that is more (a compiled forward's fixed width).
 
     Smaller trees are padded with filler nodes that only see themselves and are never accepted.
     """
-    if len(drafts) == 1:
+    sizes = [d.tokens.shape[0] for d in drafts]
+    width = max(sizes + [width or 0])
+    if len(drafts) == 1 and width == sizes[0]:
         tokens, tree = drafts[0].tokens, drafts[0].tree
         return tokens[None], (rows[0].next_pos + tree.depths)[None], tree.ancestors[None]
-    width = max(d.tokens.shape[0] for d in drafts)
     device = rows[0].next_pos.device
     ids = torch.stack([row.root.expand(width) for row in rows]).clone()
     positions = torch.stack([row.next_pos.expand(width) for row in rows]).clone()
     allowed = torch.eye(width, dtype=torch.bool, device=device).repeat(len(rows), 1, 1)
-    for b, (draft, row) in enumerate(zip(drafts, rows)):
-        n = draft.tokens.shape[0]
+    for b, (draft, row, n) in enumerate(zip(drafts, rows, sizes)):
         ids[b, :n] = draft.tokens
         positions[b, :n] = row.next_pos + draft.tree.depths
         allowed[b, :n, :n] = draft.tree.ancestors

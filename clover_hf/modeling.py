@@ -22,7 +22,9 @@ from .config import CloverConfig
 from .decoding import GenerationStats, clover_generate
 from .heads import CloverHeads, DraftHeads, build_heads
 from .hub import HEADS_FILES, is_heads_dir, load_heads, resolve_heads, save_heads
+from .cache import capacity, is_static, static_sliding_layers
 from .quantized import check_readable
+from .verification import MaskLayout
 
 # Architectures whose attention cannot take a tree mask, or whose state is not a KV cache.
 ALIBI_MODEL_TYPES = {"bloom", "mpt", "baichuan", "jais"}
@@ -360,8 +362,7 @@ class CloverForCausalLM(nn.Module):
         return generation_config
 
     def _unsupported_reason(self, inputs: Any, config: GenerationConfig, kwargs: dict) -> str | None:
-        for key in ("assistant_model", "custom_generate", "past_key_values", "cache", "inputs_embeds",
-                    "prefix_allowed_tokens_fn"):
+        for key in ("assistant_model", "custom_generate", "inputs_embeds", "prefix_allowed_tokens_fn"):
             if kwargs.get(key) is not None:
                 return f"`{key}`"
         ids = inputs if inputs is not None else kwargs.get("input_ids")
@@ -385,8 +386,9 @@ class CloverForCausalLM(nn.Module):
             return "a batch with stopping criteria but no eos_token_id"
         if config.return_dict_in_generate and (config.output_attentions or config.output_hidden_states):
             return "output_attentions / output_hidden_states"
-        if kwargs.get("cache_implementation") or config.cache_implementation not in (None, "dynamic"):
-            return f"cache_implementation={config.cache_implementation!r}"
+        cache_reason = self._cache_reason(ids, config, kwargs)
+        if cache_reason is not None:
+            return cache_reason
         extra = sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in ("input_ids", "attention_mask"))
         if extra:
             return f"model inputs other than input_ids and attention_mask ({', '.join(extra)})"
@@ -399,6 +401,29 @@ class CloverForCausalLM(nn.Module):
             if max_length > rope[1]:
                 return (f"rope_type {rope[0]!r} past {rope[1]} positions, where its frequencies depend on the "
                         "furthest position in a forward")
+        return None
+
+    def _cache_reason(self, ids: torch.Tensor, config: GenerationConfig, kwargs: dict) -> str | None:
+        """Why Clover cannot decode into the cache asked for (None: it can): a dynamic cache, a static one
+        (`cache_implementation="static"`, or the caller's own empty `StaticCache` of room enough)."""
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        static = cache is not None or config.cache_implementation not in (None, "dynamic")
+        if not static:
+            return None
+        if cache is None and config.cache_implementation != "static":
+            return f"cache_implementation={config.cache_implementation!r} (Clover decodes on a dynamic or a static cache)"
+        if cache is not None and not is_static(cache):
+            return f"a {type(cache).__name__} passed in (Clover starts its own, or fills an empty StaticCache)"
+        if cache is not None and cache.get_seq_length() != 0:
+            return "a StaticCache that already holds tokens (Clover fills an empty one)"
+        layout = MaskLayout.for_config(self.base_model.config)
+        if layout.mapping or layout.sliding_window is not None or static_sliding_layers(cache):
+            return ("a static cache with sliding-window attention layers: their static layers keep only the last "
+                    "window of keys, and a tree's compaction moves keys that window has dropped")
+        if cache is not None:
+            length = ids.shape[-1] + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
+            if capacity(cache) < length:
+                return f"a StaticCache of {capacity(cache)} slots for up to {length} tokens (make it larger)"
         return None
 
 

@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 
 from .budget import CATCH_UP_STEPS
-from .cache import compact_cache, new_cache, select_rows, select_slots
+from .cache import capacity, compact_cache, new_cache, select_rows, select_slots
 from .heads import AugmentCache
 from .lookup import NgramIndex
 from .verification import MaskLayout, base_forward, sample_token
@@ -70,10 +70,11 @@ class Row:
 
 
 def prefill(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layout: MaskLayout,
-            pre_norm: bool):
-    """The prompts (B, P), left-padded where `attention_mask` says so, through the base into a new cache.
-    Returns the last position's logits, the hidden states, positions (B, P) (-1: a masked slot), the
-    cache, and whether decoding may keep the base's own mask path (one unpadded row without a window)."""
+            pre_norm: bool, cache=None):
+    """The prompts (B, P), left-padded where `attention_mask` says so, through the base into `cache` (an
+    empty static cache) or a new dynamic one. Returns the last position's logits, the hidden states,
+    positions (B, P) (-1: a masked slot), the cache, and whether decoding may keep the base's own mask
+    path (one unpadded row without a window, on a dynamic cache)."""
     batch, prompt_len = input_ids.shape
     device = input_ids.device
     valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
@@ -81,14 +82,15 @@ def prefill(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: tor
     # One unpadded row without a window goes through the base's own mask path, as in plain decoding: its
     # prefill builds no (P, P) mask (a long prompt's would take gigabytes), and in bf16 an explicit additive
     # mask rounds differently from the base's own at some lengths.
-    plain_mask = batch == 1 and not layout.mapping and layout.sliding_window is None and bool(valid.all())
-    cache = new_cache()
+    plain_mask = (cache is None and batch == 1 and not layout.mapping and layout.sliding_window is None
+                  and bool(valid.all()))
+    cache = new_cache() if cache is None else cache
     if plain_mask:
         mask = torch.ones(1, prompt_len, dtype=torch.long, device=device)
     else:
         eye = torch.eye(prompt_len, dtype=torch.bool, device=device)
         causal = (eye.new_ones(prompt_len, prompt_len).tril() & valid[:, None, :]) | eye
-        mask = layout.build(positions[:, :0], positions, causal, model.dtype)
+        mask = layout.build(positions[:, :0], positions, causal, model.dtype, slots=capacity(cache))
     logits, hidden = base_forward(model, input_ids, mask, positions.clamp(min=0), cache, logits_to_keep=1,
                                   pre_norm=pre_norm)
     return logits, hidden, positions, cache, plain_mask
@@ -140,7 +142,12 @@ class Batch:
         where `allowed` (B, N, N) says, over the cache."""
         if self.plain_mask and node_pos.shape[1] == 1:
             return torch.ones(1, self.positions.shape[1] + 1, dtype=torch.long, device=node_pos.device)
-        return self.layout.build(self.positions, node_pos, allowed, dtype)
+        return self.layout.build(self.positions, node_pos, allowed, dtype, slots=capacity(self.cache))
+
+    def room(self) -> int | None:
+        """How many tokens per row the next forward may write: a static cache's free slots (None: no limit)."""
+        slots = capacity(self.cache)
+        return None if slots is None else slots - self.positions.shape[1]
 
     def keep(self, kept: list[torch.Tensor], node_pos: torch.Tensor) -> None:
         """After a forward of nodes at `node_pos`, keep each row's `kept` nodes in the cache, drop the rest."""

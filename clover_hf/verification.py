@@ -65,28 +65,39 @@ class MaskLayout:
         return cls(mapping=False, sliding_window=window)
 
     def build(
-        self, past_positions: torch.Tensor, new_positions: torch.Tensor, new_allowed: torch.Tensor, dtype: torch.dtype
+        self, past_positions: torch.Tensor, new_positions: torch.Tensor, new_allowed: torch.Tensor, dtype: torch.dtype,
+        slots: int | None = None,
     ) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The `attention_mask` argument for a forward of new tokens over a cache of past keys."""
+        """The `attention_mask` argument for a forward of new tokens over a cache of past keys; `slots`: the
+        keys a static cache returns (all its slots), of which those past the new tokens' are blocked."""
         if self.mapping:
             return {
-                "full_attention": additive_mask(past_positions, new_positions, new_allowed, dtype),
-                "sliding_attention": additive_mask(
+                "full_attention": _blocked_after(additive_mask(past_positions, new_positions, new_allowed, dtype), slots),
+                "sliding_attention": _blocked_after(additive_mask(
                     past_positions, new_positions, new_allowed, dtype, self.sliding_window
-                ),
+                ), slots),
             }
-        return additive_mask(past_positions, new_positions, new_allowed, dtype, self.sliding_window)
+        return _blocked_after(additive_mask(past_positions, new_positions, new_allowed, dtype, self.sliding_window), slots)
 
 
-def base_forward(model: PreTrainedModel, ids, mask, positions, cache, logits_to_keep: int = 0, pre_norm: bool = False):
+def _blocked_after(mask: torch.Tensor, slots: int | None) -> torch.Tensor:
+    """`mask` (B, 1, N, K) widened to `slots` keys, the added ones blocked."""
+    if slots is None or slots == mask.shape[-1]:
+        return mask
+    return torch.nn.functional.pad(mask, (0, slots - mask.shape[-1]), value=torch.finfo(mask.dtype).min)
+
+
+def base_forward(model: PreTrainedModel, ids, mask, positions, cache, logits_to_keep: int = 0, pre_norm: bool = False,
+                 keyword: str | None = None):
     """Logits (B, n, V) in fp32 and the last hidden states (B, T, H) of one base forward (with `pre_norm`,
-    those before the final norm).
+    those before the final norm). `keyword`: the one the forward takes its cache by (`cache_keyword`),
+    resolved by the caller where this runs compiled.
 
     The hidden states are read off the decoder's output with a hook: asking for `output_hidden_states`
     collects every layer's, which cost 1% of a one-token step on a CPU. A model that is its own
     decoder is asked for them."""
     kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep and model._supports_logits_to_keep() else {}
-    kwargs[cache_keyword(type(model))] = cache
+    kwargs[keyword or cache_keyword(type(model))] = cache
     if pre_norm:
         with norm_inputs(model) as captured:
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, return_dict=True,

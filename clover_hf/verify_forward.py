@@ -1,0 +1,164 @@
+"""The verify forward of each step's tree: eager, or over a static cache compiled once per width bucket.
+
+A compiled forward has fixed shapes, so a step's tree is padded (`drafting.stack_trees`) to the smallest
+of `BUCKETS` that holds it, and each bucket (per batch size) compiles once. At most `MAX_SHAPES` shapes are
+compiled per model and settings; other shapes run eager. The compiled region is the
+base's forward alone: the mask, positions, acceptance and every read on the host stay outside it. When
+to compile follows transformers' own rules for `generate` (`compile_settings`); on CUDA its default
+`CompileConfig` captures CUDA graphs (mode "reduce-overhead").
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from transformers import CompileConfig, GenerationConfig, PreTrainedModel
+
+from .base_parts import final_norm
+from .cache import cache_keyword, is_static
+from .verification import base_forward
+
+BUCKETS = (1, 4, 16, 64, 160, 256)  # tree widths a compiled forward is padded to (wider: multiples of the last);
+# 160 holds an accelerator's 128-node dynamic tree with its lookup chain
+MAX_SHAPES = 8  # shapes compiled at most per model and settings (dynamo's own default recompile limit)
+WARM_CALLS = 3  # a shape's first calls compile it (and on CUDA record its graph): the budget does not time them
+
+
+def compile_settings(model: PreTrainedModel, generation_config: GenerationConfig, cache) -> CompileConfig | None:
+    """The `CompileConfig` to compile the verify forward with, or None for eager, by the rules transformers'
+    `generate` applies to its one-token forward: a static cache, a device it compiles on by default
+    (CUDA, XPU) or `compile_config._compile_all_devices`, no `disable_compile`, a quantizer that compiles."""
+    if not is_static(cache) or generation_config.disable_compile:
+        return None
+    config = generation_config.compile_config
+    if model.device.type not in ("cuda", "xpu") and not (config is not None and config._compile_all_devices):
+        return None
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and not quantizer.is_compileable:
+        return None
+    return config if config is not None else CompileConfig()
+
+
+def bucket(width: int) -> int:
+    """The compiled width that holds a tree of `width` tokens."""
+    fits = [b for b in BUCKETS if b >= width]
+    return fits[0] if fits else -(-width // BUCKETS[-1]) * BUCKETS[-1]
+
+
+@dataclass
+class _Compiled:
+    """One model's compiled forward for one (settings, pre_norm), and the calls each shape has had.
+
+    The heads read the last hidden states, which a hook on the decoder (or, for `pre_norm`, the final
+    norm) hands over through `last`: a hook registered inside the compiled region would break its graph,
+    so `hook` is registered around each call, the same function each time (dynamo guards on it)."""
+
+    fn: object
+    module: torch.nn.Module
+    hook: object
+    pre: bool  # a forward pre-hook (the norm's input) rather than a forward hook (the decoder's output)
+    last: list = field(default_factory=lambda: [None])
+    calls: dict[tuple, int] = field(default_factory=dict)  # shape -> calls so far (-1: runs eager)
+    shapes: set[tuple] = field(default_factory=set)  # the shapes compiled
+
+    def __call__(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
+        register = self.module.register_forward_pre_hook if self.pre else self.module.register_forward_hook
+        handle = register(self.hook)
+        try:
+            return self.fn(*args)
+        finally:
+            handle.remove()
+            self.last[0] = None
+
+
+def _grab_input(last: list, module, args) -> None:
+    last[0] = args[0]
+
+
+def _grab_output(last: list, module, args, out) -> None:
+    last[0] = out[0] if isinstance(out, tuple) else out.last_hidden_state
+
+
+def _logits_and_last(model: PreTrainedModel, keyword: str, last: list, ids, mask, positions, cache):
+    """The region compiled: the base's forward, its logits in float32 and the hidden states a hook put in `last`."""
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, return_dict=True,
+                **{keyword: cache})
+    return out.logits.float(), last[0]
+
+
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(settings, pre_norm): _Compiled}
+
+
+def _compiled(model: PreTrainedModel, config: CompileConfig, pre_norm: bool) -> _Compiled | None:
+    """The model's compiled forward for these settings, made once and kept with the model across calls;
+    None for a model that is its own decoder (no module to read the last hidden states from)."""
+    module = final_norm(model) if pre_norm else model.get_decoder()
+    if module is None or module is model:
+        return None
+    settings = (config.backend, config.mode, config.fullgraph, config.dynamic, repr(config.options))
+    per_model = _COMPILED.setdefault(model, {})
+    if (settings, pre_norm) not in per_model:
+        last = [None]
+        forward = functools.partial(_logits_and_last, model, cache_keyword(type(model)), last)
+        inductor = config.backend == "inductor"
+        fn = torch.compile(forward, fullgraph=config.fullgraph, dynamic=bool(config.dynamic), backend=config.backend,
+                           mode=config.mode if inductor and not config.options else None, options=config.options,
+                           recompile_limit=MAX_SHAPES, isolate_recompiles=True)
+        hook = functools.partial(_grab_input if pre_norm else _grab_output, last)
+        per_model[(settings, pre_norm)] = _Compiled(fn, module, hook, pre_norm, last)
+    return per_model[(settings, pre_norm)]
+
+
+class VerifyForward:
+    """The base forward of a step's tree over the batch's cache: `(logits, hidden) = verify(ids, mask,
+    positions, cache)`, compiled when `config` is given and the cache is static."""
+
+    def __init__(self, model: PreTrainedModel, pre_norm: bool, config: CompileConfig | None = None) -> None:
+        self.model, self.pre_norm, self.config = model, pre_norm, config
+        self.compiled = None if config is None else _compiled(model, config, pre_norm)
+        self.config = None if self.compiled is None else config
+        self.settled = True  # whether the last call ran a shape past its compiling calls (its time is the step's)
+
+    @property
+    def buckets(self) -> tuple[int, ...] | None:
+        """The widths trees are padded to (None: not compiled, each tree runs at its own size)."""
+        return None if self.compiled is None else BUCKETS
+
+    @property
+    def key(self) -> str:
+        """What the verify costs depend on beyond the machine: the cache kind and compilation."""
+        return "eager" if self.config is None else f"compiled {self.config.backend} {self.config.mode}"
+
+    def width(self, tokens: int, room: int | None) -> int:
+        """The forward's width for a tree of `tokens` tokens: its bucket when compiled and the cache has
+        `room` for it, else the tree's own size."""
+        if self.compiled is None:
+            return tokens
+        padded = bucket(tokens)
+        return padded if room is None or padded <= room else tokens
+
+    def __call__(self, ids: torch.Tensor, mask, positions: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.compiled is None or not is_static(cache):
+            self.settled = True
+            return base_forward(self.model, ids, mask, positions, cache, pre_norm=self.pre_norm)
+        shape = (tuple(ids.shape), tuple(mask.shape))
+        calls = self.compiled.calls.get(shape, 0)
+        if calls == 0 and len(self.compiled.shapes) >= MAX_SHAPES:
+            calls = -1  # past the limit: this shape runs eager from now on
+        self.compiled.calls[shape] = calls + 1 if calls >= 0 else -1
+        if calls < 0:
+            self.settled = True
+            return base_forward(self.model, ids, mask, positions, cache, pre_norm=self.pre_norm)
+        self.compiled.shapes.add(shape)
+        self.settled = calls >= WARM_CALLS
+        if self.model.device.type == "cuda" and self.config.mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs were copied out
+        logits, hidden = self.compiled(ids, mask, positions, cache)
+        return logits.clone(), hidden.clone()  # a CUDA graph's outputs are overwritten by its next replay
+
+    def compiled_shapes(self) -> int:
+        """How many shapes this model's forward has been compiled for, under these settings."""
+        return 0 if self.compiled is None else len(self.compiled.shapes)
