@@ -16,6 +16,7 @@ import torch
 
 from .data import mtbench_questions
 from .hardware import timed
+from .verify_forward import BUCKETS
 
 
 @dataclass
@@ -72,6 +73,21 @@ class MethodResult:
 
 ONE_TOKEN = "clover, one-token steps"  # Clover's kernels without speculation: what "clover" is measured against too
 DEFAULT_RUNS = {ONE_TOKEN: {"budget": "one-token"}, "clover": {}}
+STATIC = "static+compiled"  # the suffix of runs on a static cache with a compiled forward
+PLAIN_STATIC, CLOVER_STATIC = f"plain generate, {STATIC}", f"clover, {STATIC}"
+
+
+def static_runs(device: torch.device) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Plain `generate` and Clover on a static cache with a compiled forward, as transformers compiles it
+    (its default `CompileConfig`: CUDA graphs on a GPU; on a CPU, where transformers does not compile by
+    default, with its `_compile_all_devices` switch): (plain runs, Clover runs) for `run_benchmark`."""
+    from transformers import CompileConfig
+
+    config = CompileConfig()
+    if device.type not in ("cuda", "xpu"):
+        config._compile_all_devices = True
+    kwargs = {"cache_implementation": "static", "compile_config": config}
+    return {PLAIN_STATIC: kwargs}, {CLOVER_STATIC: kwargs}
 
 
 def read_prompts(source: str | None, limit: int | None) -> list[str]:
@@ -118,7 +134,8 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
                   prompt_lookup: bool = True, warmup: int = 1, profile: bool | None = None,
                   clover_runs: dict[str, dict] | None = None, temperature: float | None = None,
                   batch_size: int = 1, baselines: dict[str, object] | None = None, recheck: int = 0,
-                  recheck_below: float = 0.9, log=print) -> dict[str, MethodResult]:
+                  recheck_below: float = 0.9, plain_runs: dict[str, dict] | None = None,
+                  log=print) -> dict[str, MethodResult]:
     """Interleave the methods on each prompt (or batch of prompts); plain `generate` is the reference
     for identity and speed.
 
@@ -132,6 +149,7 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
     the device at each stage, which is free only on CPU, so by default it is on there alone. With
     `batch_size` > 1 prompts run in left-padded batches; transformers' prompt lookup decodes one
     sequence at a time, so it is left out; tokens/step counts the tokens of all rows per forward.
+    `plain_runs` names more runs of plain `generate` with extra arguments (a static cache, compiled).
 
     One timing of a prompt on a shared machine is noisy (+-10% here), so a prompt on which a method ran
     below `recheck_below` times plain `generate` is timed `recheck` more times, all methods interleaved;
@@ -147,6 +165,8 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
         kwargs["temperature"] = temperature
     clover_runs = clover_runs or DEFAULT_RUNS
     methods = {"plain generate": lambda inputs: base.generate(**inputs, **kwargs)}
+    for name, extra in (plain_runs or {}).items():
+        methods[name] = lambda inputs, extra=extra: base.generate(**inputs, **extra, **kwargs)
     drafting = {name: (model, extra) for name, extra in clover_runs.items()}
     drafting |= {name: (other, {}) for name, other in (baselines or {}).items()}
     for name, (drafter, extra) in drafting.items():
@@ -159,6 +179,12 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
     eos = base.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     batches = encode_batches(tokenizer, prompts, batch_size, base.device)
+    # one static cache size for every prompt (as transformers advises for compiled decoding), with room for
+    # Clover's widest tree: a cache that grew with a longer prompt would compile again inside a timing
+    slots = max(b["input_ids"].shape[1] for b in batches) + max_new_tokens + BUCKETS[-1]
+    for extra in [*(plain_runs or {}).values(), *clover_runs.values()]:
+        if extra.get("cache_implementation") == "static":
+            extra.setdefault("max_cache_len", slots)
 
     def run(fn, k: int) -> tuple[torch.Tensor, int, float]:
         """One method on batch k, seeded by k: its output, new tokens and seconds."""
@@ -304,10 +330,22 @@ def speculation_shares(results: dict[str, MethodResult]) -> str:
     plain = results["plain generate"].tokens_per_second
     lines = [f"Clover's kernels alone (one-token steps): {one.tokens_per_second / plain:.2f}x plain generate"]
     for r in results.values():
-        if r is not one and r.name != "plain generate" and r.accepted_lengths:
+        if r is not one and r.name != "plain generate" and r.accepted_lengths and not r.name.endswith(STATIC):
             lines.append(f"what speculation adds: {r.name} {r.tokens_per_second / one.tokens_per_second:.2f}x "
                          f"its one-token steps ({r.tokens_per_second / plain:.2f}x plain)")
     return "\n".join(lines)
+
+
+def static_shares(results: dict[str, MethodResult]) -> str:
+    """Clover on a static cache with a compiled forward against plain `generate` on the same cache, compiled
+    the same way: what Clover adds where a user already compiles."""
+    plain, clover = results.get(PLAIN_STATIC), results.get(CLOVER_STATIC)
+    if plain is None or clover is None or not plain.tokens_per_second:
+        return ""
+    eager = results["plain generate"].tokens_per_second
+    return (f"{STATIC}: plain generate {plain.tokens_per_second / eager:.2f}x eager plain generate; "
+            f"clover {clover.tokens_per_second / plain.tokens_per_second:.2f}x plain generate {STATIC} "
+            f"({clover.tokens_per_second / eager:.2f}x eager plain)")
 
 
 def step_breakdown(result: MethodResult) -> str:

@@ -16,6 +16,7 @@ from .drafting import Draft, shallower
 from .hardware import timed
 from .rows import Batch
 from .tree import DynamicTree, TreeBuffers
+from .verify_forward import VerifyForward
 
 
 EXPLORE_LIMIT = 3.0  # the first steps stop learning wider widths once one costs this many one-token steps
@@ -34,18 +35,18 @@ class StepBudget:
 
     @classmethod
     def start(cls, budget: DraftBudget | None, key: str | None, calibrate: bool | None, model: PreTrainedModel,
-              batch: Batch, widest: int, depth: int, lookup_max: int, sample: bool, verify: Callable,
-              buckets: tuple[int, ...] | None = None) -> StepBudget | None:
+              batch: Batch, widest: int, depth: int, lookup_max: int, sample: bool, verify: VerifyForward
+              ) -> StepBudget | None:
         """The budget for this call with its verify costs: those not known yet are learnt from the first
         steps, or timed now (`calibrate`: see `DraftBudget.costs`); None without a budget or costs, or
         for a budget that does not cut (`DraftBudget.whole_tree`): the whole tree is verified every step.
-        `buckets`: the widths a compiled `verify` pads trees to (only those are timed)."""
+        Where `verify` pads trees to width buckets (compiled), only those are timed."""
         if budget is None or not budget.cut or not batch.active:
             return None
         widest = min(widest, budget.widest or widest)
         rows = len(batch.active)
         if budget.fixed is None and key is not None:
-            budget.stored(key).buckets = buckets
+            budget.stored(key).buckets = verify.buckets
         costs = budget.costs(key, rows, widest, measure_verify(model, batch, batch.active[0].root, verify), calibrate)
         if costs is None:
             return None
@@ -150,9 +151,10 @@ def choose_nodes(drafts: list[Draft], acceptance: AcceptanceModel, costs: CostMo
     return cut, cut_buckets
 
 
-def measure_verify(model: PreTrainedModel, batch: Batch, token: torch.Tensor, verify: Callable) -> Callable[[int], float]:
-    """`measure(width) -> ms`: the time of one forward (`verify`, a `VerifyForward`) of `width` tokens per row
-    over the batch's cache as it is, which is then cut back. Calibrates the draft budget's cost model."""
+def measure_verify(model: PreTrainedModel, batch: Batch, token: torch.Tensor, verify: VerifyForward
+                   ) -> Callable[[int], float]:
+    """`measure(width) -> ms`: the time of one `verify` forward of `width` tokens per row over the batch's
+    cache as it is, which is then cut back. Calibrates the draft budget's cost model."""
     rows, past_len = batch.positions.shape
     device = batch.positions.device
     last = batch.positions.max(dim=1, keepdim=True).values  # a position every model embeds: one it already has

@@ -122,6 +122,9 @@ def make_parser() -> argparse.ArgumentParser:
     bench.add_argument("--recheck", type=int, default=3,
                        help="time each prompt on which a method ran below 0.9x plain this many more times, "
                             "and report the median too (0: never)")
+    bench.add_argument("--static", action="store_true",
+                       help="also run plain generate and Clover on a static cache with a compiled forward, as "
+                            "transformers compiles it (CUDA graphs on a GPU; on a CPU with its _compile_all_devices)")
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     bench.add_argument("--device", default=None,
                        help="cpu, cuda, cuda:1, ... (default: the machine's accelerator if it has one, else cpu)")
@@ -222,7 +225,8 @@ def export_generate_command(directory: str, repo_id: str | None, push_to_hub: st
 
 
 def bench_command(heads, base_model, dtype, quantize, prompts, limit, max_new_tokens, do_sample, temperature,
-                  no_prompt_lookup, medusa_heads, no_medusa, batch_size, variants, recheck, threads, device, out_dir) -> None:
+                  no_prompt_lookup, medusa_heads, no_medusa, batch_size, variants, recheck, threads, device, out_dir,
+                  static=False) -> None:
     import json
     from pathlib import Path
 
@@ -258,9 +262,13 @@ def bench_command(heads, base_model, dtype, quantize, prompts, limit, max_new_to
     runs = {f"clover ({name})": kwargs for name, kwargs in json.loads(variants).items()} if variants else None
     if runs and not any(kw.get("budget") == "one-token" for kw in runs.values()):
         runs = {bench.ONE_TOKEN: {"budget": "one-token"}, **runs}  # what speculation adds is measured against it
+    plain_runs = None
+    if static:
+        plain_runs, clover_static = bench.static_runs(device)
+        runs = {**(runs or bench.DEFAULT_RUNS), **clover_static}
     results = bench.run_benchmark(model, tokenizer, texts, max_new_tokens, do_sample, not no_prompt_lookup,
                                   clover_runs=runs, temperature=temperature, batch_size=batch_size,
-                                  baselines=baselines, recheck=recheck)
+                                  baselines=baselines, recheck=recheck, plain_runs=plain_runs)
     # the table's "accept dN" columns reach as deep as any method drafts: its heads or its lookup chain
     reach = [model.clover_config.num_heads, model.clover_config.lookup_tokens,
              *(kw.get("lookup") or 0 for kw in (runs or {}).values())]
@@ -278,7 +286,8 @@ def bench_command(heads, base_model, dtype, quantize, prompts, limit, max_new_to
                f"{table}\n\nweights: base {base_mib:.0f} MiB, heads {heads_mib:.1f} MiB "
                f"({100 * heads_mib / base_mib:.1f}%); {bench.peak_memory(device)}\n\n"
                f"clover's draft settings, unless a variant overrides them: {tree_summary(model.clover_config)}\n\n"
-               f"{bench.speculation_shares(results)}\n\n{bench.slowest_prompts(results)}\n\n{breakdown}")
+               f"{bench.speculation_shares(results)}\n\n{bench.static_shares(results)}\n\n"
+               f"{bench.slowest_prompts(results)}\n\n{breakdown}").replace("\n\n\n\n", "\n\n")
     (out / "results.md").write_text(summary + "\n")
     (out / "results.json").write_text(json.dumps({n: vars(r) for n, r in results.items()}, indent=1))
     png = bench.plot(results, out / "plot.png")

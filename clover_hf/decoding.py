@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -106,7 +107,9 @@ def _out_of_inference_mode(out: torch.Tensor | GenerateDecoderOnlyOutput) -> tor
 
 
 def _decode_context(generate):
-    """Run `generate(model, ...)` under `tree_attention_backends(model.device)` and `torch.inference_mode()`.
+    """Run `generate(model, ...)` under `tree_attention_backends(model.device)` and `torch.inference_mode()`
+    (`no_grad` on a static cache: it is updated in place, also after the call, which inference tensors
+    allow only in inference mode).
 
     Plain `generate` runs under `no_grad`; inference mode also skips autograd's version counting and
     view tracking on every op, which saved 1.5-2 ms of a 37-62 ms one-token SmolLM2-135M forward on
@@ -115,9 +118,8 @@ def _decode_context(generate):
     @functools.wraps(generate)  # keeps the signature, which transformers reads for custom arguments
     def run(*args, **kwargs):
         model = kwargs["model"] if "model" in kwargs else args[0]
-        # a cache the caller made outlives the call, and inference tensors could not be updated outside it
-        grad_off = torch.no_grad() if _callers_cache(kwargs) is not None else torch.inference_mode()
-        with tree_attention_backends(model.device), grad_off:
+        static = is_static(kwargs.get("cache", kwargs.get("past_key_values")))
+        with tree_attention_backends(model.device), torch.no_grad() if static else torch.inference_mode():
             out = generate(*args, **kwargs)
         return _out_of_inference_mode(out)
 
@@ -140,11 +142,15 @@ def _decode_cache(model: PreTrainedModel, model_kwargs: dict, generation_config:
     prepared = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if not is_static(prepared):
         return None
-    slots = max(generation_config.max_length + widest, capacity(prepared))
-    # generate sizes its next static caches to at least this (transformers' own record), so later calls keep
-    # the shapes compiled for this one
-    model._previous_max_cache_length = slots
+    # as transformers sizes its static caches: never smaller than an earlier call's (its shapes stay compiled),
+    # nor than `max_cache_len`, which fixes the size for calls up to that length
+    slots = max(generation_config.max_length + widest, generation_config.max_cache_len or 0,
+                _STATIC_SLOTS.get(model, 0))
+    _STATIC_SLOTS[model] = slots
     return static_cache(model, slots)
+
+
+_STATIC_SLOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its last static cache's slots
 
 
 @_decode_context
@@ -221,7 +227,7 @@ def clover_generate(
                           stopping_criteria, streamer, keep, plan.lookup, plan.embed)
         batch = Batch(rows, cache, positions, layout, plain_mask)
         budget = StepBudget.start(clover_budget, plan.key, clover_calibrate, model, batch, plan.widest, plan.depth,
-                                  plan.lookup_max, sample, verify, verify.buckets)
+                                  plan.lookup_max, sample, verify)
         clock = _Clock(stats.stage_seconds if clover_profile else None, device)  # the steps' stages, from here
         while batch.active:
             drafts, chains = _draft(batch.active, plan, budget, stats, clock)

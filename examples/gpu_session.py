@@ -1,6 +1,8 @@
 """One command for a GPU session: exactness tests on CUDA, self-distilled answers, Clover (Clover-2's
 options) and a faithful Medusa-1 trained online on the same data and tokens, per-head accuracy on
-held-out rows, tokens per forward in float32, and `clover-hf bench` on the GPU, old heads against new.
+held-out rows, tokens per forward in float32, the shipped heads on a static cache with CUDA graphs
+against plain `generate` compiled the same way (`clover-hf bench --static`), and `clover-hf bench` on
+the GPU, old heads against new.
 
 Rerun the same command until it prints DONE: every stage keeps its results in the work directory and
 each call stops before `--minutes` with a checkpoint (so it fits a lease's 10-minute calls).
@@ -73,7 +75,7 @@ def prepare(args: argparse.Namespace) -> None:
 
 # Minutes a stage needs in one call on an H200 at the defaults (a bench of 8 prompts with 3 methods took 1.4 min
 # there); a stage is started only with that much of the call left, since a stopped one starts over.
-STAGE_MINUTES = {"accuracy": 3, "bench-new": 6, "bench-old": 5}
+STAGE_MINUTES = {"accuracy": 3, "bench-static": 5, "bench-new": 6, "bench-old": 5}
 
 
 class Session:
@@ -222,6 +224,18 @@ class Session:
         if self.sh(f"bench-{name}", cmd) is not None:
             self.mark(f"bench-{name}")
 
+    def bench_static(self) -> None:
+        """Eager plain, static+compiled plain, eager Clover and static+compiled Clover side by side (bf16, the
+        heads the session started with, else the ones it trained): what Clover adds where transformers users
+        already compile."""
+        heads = self.args.old_heads or str(self.work / "clover" / "heads")
+        cmd = [sys.executable, "-m", "clover_hf.cli", "bench", "--heads", heads, "--base-model", self.base_dir("bfloat16"),
+               "--device", self.args.device, "--dtype", "bfloat16", "--prompts", self.args.prompts, "--limit",
+               str(self.args.static_limit), "--max-new-tokens", str(self.args.max_new_tokens), "--no-prompt-lookup",
+               "--no-medusa", "--recheck", "0", "--static", "--out-dir", str(self.work / "bench-static")]
+        if self.sh("bench-static", cmd) is not None:
+            self.mark("bench-static")
+
     def heads_sets(self) -> dict[str, Path]:
         sets = {"clover": self.work / "clover" / "heads", "medusa": self.work / "medusa" / "heads"}
         if self.args.old_heads:
@@ -230,7 +244,7 @@ class Session:
 
     def summary(self, out: Path | None) -> None:
         lines = ["# GPU session", ""]
-        for name in ("cuda-tests", "cuda-tests-shipped", "accuracy", "bench-new", "bench-old"):
+        for name in ("cuda-tests", "cuda-tests-shipped", "accuracy", "bench-static", "bench-new", "bench-old"):
             log = self.work / "logs" / f"{name}.log"
             if log.exists():
                 lines += [f"## {name}", "", "```", *log.read_text().splitlines()[-60:], "```", ""]
@@ -266,6 +280,7 @@ class Session:
             ("train-clover", lambda: self.train("clover", CLOVER)),
             ("train-medusa", lambda: self.train("medusa", MEDUSA)),
             ("accuracy", self.accuracy),
+            ("bench-static", self.bench_static),
             ("bench-new", lambda: self.bench("new", self.work / "clover" / "heads", self.work / "medusa" / "heads")),
             ("bench-old", lambda: self.bench("old", Path(a.old_heads), None) if a.old_heads else self.mark("bench-old")),
         ]
@@ -324,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--accuracy-limit", type=int, default=20,
                    help="MT-Bench prompts for tokens per forward (float32 is device-independent: all 80 can run on a CPU later)")
     r.add_argument("--bench-limit", type=int, default=20, help="prompts per benchmark")
+    r.add_argument("--static-limit", type=int, default=8, help="prompts for the static-cache benchmark")
     r.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args(argv)
     if args.command == "prepare":

@@ -177,3 +177,57 @@ def test_cuda_online_training_in_bf16_autocast_learns(tmp_path, labels):
     assert last.item() < first.item()
     assert all(torch.equal(v, before[k]) for k, v in base.state_dict().items())
     assert all(p.dtype == torch.float32 and p.device.type == "cuda" for p in trainer.heads.parameters())
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+def test_cuda_static_cache_with_cuda_graphs_matches_base(arch):
+    """`cache_implementation="static"` on the GPU compiles the verify forward by transformers' own rules
+    (its default CompileConfig: inductor with CUDA graphs): oracle heads, long paths, the base's output;
+    a second call compiles nothing more."""
+    from clover_hf import verify_forward
+
+    base = tiny_model(arch).to(CUDA)
+    ids = prompt(3, length=9).to(CUDA)
+    ref = base.generate(ids, max_new_tokens=40, do_sample=False)
+    clover = oracle_model(base, ref)
+    for _ in range(2):
+        out = clover.generate(ids, max_new_tokens=40, do_sample=False, cache_implementation="static")
+        assert same(out, ref)
+        assert max(clover.generation_stats.accepted_lengths) >= 3
+        compiled = next(iter(verify_forward._COMPILED[base].values()))
+        shapes = set(compiled.shapes)
+    assert compiled.shapes == shapes and len(shapes) <= verify_forward.MAX_SHAPES
+
+
+def test_cuda_static_cache_batch_and_sampling():
+    base = tiny_model("llama").to(CUDA)
+    clover = CloverForCausalLM.from_base(base)
+    ids, mask, _ = left_padded(prompt(1, length=10), prompt(2, length=6), prompt(3, length=8))
+    ids, mask = ids.to(CUDA), mask.to(CUDA)
+    ref = base.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False)
+    out = clover.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, lookup=4, budget="full",
+                          cache_implementation="static")
+    assert same(out, ref)
+    one = prompt(5).to(CUDA)
+    torch.manual_seed(0)
+    out = clover.generate(one, max_new_tokens=30, do_sample=True, top_k=1, cache_implementation="static")
+    assert same(out, base.generate(one, max_new_tokens=30, do_sample=False))
+
+
+def test_cuda_shipped_heads_exact_on_a_static_compiled_cache(converted):
+    """The embedded SmolLM2, fp32, static cache with CUDA graphs: the base's output, more than one token a step."""
+    from transformers import AutoTokenizer
+
+    from clover_hf.embedded import shipped_heads_path
+
+    model = CloverForCausalLM.from_pretrained(shipped_heads_path(), base_model=str(converted),
+                                              dtype=torch.float32).to(CUDA)
+    tok = AutoTokenizer.from_pretrained(converted)
+    steps = tokens = 0
+    for question in range(3):
+        ids = _chat(tok, question).to(CUDA)
+        expected = model.base_model.generate(ids, max_new_tokens=64, do_sample=False)
+        out = model.generate(ids, max_new_tokens=64, do_sample=False, cache_implementation="static")
+        assert torch.equal(out, expected)
+        steps, tokens = steps + model.generation_stats.steps, tokens + model.generation_stats.new_tokens
+    assert tokens / steps > 1.3

@@ -37,7 +37,7 @@ def test_gpu_session_end_to_end_on_cpu(tmp_path, capsys):
             "--distill-max-new-tokens", "8", "--distill-batch-size", "4", "--accuracy-limit", "2",
             "--bench-limit", "2", "--max-new-tokens", "12"]
     # a first call that gets as far as Clover's training, a second that does the rest
-    assert session.main(args + ["--skip", "train-medusa", "accuracy", "bench-new", "bench-old"]) == 0
+    assert session.main(args + ["--skip", "train-medusa", "accuracy", "bench-static", "bench-new", "bench-old"]) == 0
     done = {p.stem for p in work.glob("*.done")}
     assert done == {"cuda-tests", "cuda-tests-shipped", "distill", "train-clover"}
     answers = (work / "answers.jsonl").read_text()
@@ -45,7 +45,8 @@ def test_gpu_session_end_to_end_on_cpu(tmp_path, capsys):
     heads_mtime = (work / "clover" / "heads" / "model.safetensors").stat().st_mtime
     assert session.main(args) == 0
     assert capsys.readouterr().out.rstrip().endswith("DONE")
-    assert {p.stem for p in work.glob("*.done")} == done | {"train-medusa", "accuracy", "bench-new", "bench-old"}
+    assert {p.stem for p in work.glob("*.done")} == done | {"train-medusa", "accuracy", "bench-static", "bench-new",
+                                                            "bench-old"}
     assert (work / "answers.jsonl").read_text() == answers  # nothing done twice
     assert (work / "clover" / "heads" / "model.safetensors").stat().st_mtime == heads_mtime
 
@@ -64,6 +65,8 @@ def test_gpu_session_end_to_end_on_cpu(tmp_path, capsys):
     assert [Path(r["heads"]).parent.name for r in rows] == ["clover", "medusa"]
     assert all(r[s]["identical"] == 2 for r in rows for s in ("heads alone", "with chain"))
     assert "clover (auto)" in (work / "bench-new" / "results.md").read_text()
+    static = (work / "bench-static" / "results.md").read_text()
+    assert "| plain generate, static+compiled |" in static and "| clover, static+compiled |" in static
     assert "## accuracy" in (out / "summary.md").read_text()
 
     session.collect(out)

@@ -145,8 +145,9 @@ def first_two(weights: dict) -> Counter:
     return out
 
 
+@pytest.mark.parametrize("cache", [{}, {"cache_implementation": "static"}], ids=["dynamic cache", "static cache"])
 @pytest.mark.parametrize("arch, n, shift", [("llama", 2000, 0.06)])
-def test_clover_sampling_matches_the_base_distribution(arch, n, shift):
+def test_clover_sampling_matches_the_base_distribution(arch, n, shift, cache):
     """End to end: 3-token continuations sampled by Clover (oracle heads drafting the greedy path, so
     drafts are often but not always accepted), as rows of batches of one prompt, against the exact
     distribution of base sampling. The test: each continuation's count and each marginal of its first
@@ -167,7 +168,8 @@ def test_clover_sampling_matches_the_base_distribution(arch, n, shift):
     torch.manual_seed(0)
     for rows in [1000] * (n // 1000):
         batch = ids.repeat(rows, 1)
-        out = clover.generate(batch, attention_mask=torch.ones_like(batch), **settings)
+        out = clover.generate(batch, attention_mask=torch.ones_like(batch), **settings, **cache)
+        assert clover.generation_stats is not None  # Clover decoded, on the cache asked for
         counts.update(tuple(row) for row in out[:, ids.shape[1] : ids.shape[1] + 3].tolist())
         accepted += clover.generation_stats.accepted_lengths
     assert 0 in accepted and max(accepted) >= 2  # rejections and multi-token acceptances both happened

@@ -128,3 +128,19 @@ def test_plain_steps_in_bf16_are_plain_decoding_bit_for_bit(converted, tok):
         expected = model.base_model.generate(ids, max_new_tokens=64, do_sample=False)
         assert torch.equal(model.generate(ids, max_new_tokens=64, do_sample=False, budget=STEEP), expected), i
         assert model.generation_stats.verified_per_step == 1.0
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_shipped_heads_on_a_static_cache_are_exact(shipped, tok, reference, compiled):
+    """A static cache, eager and with the verify forward compiled by inductor (transformers' CPU switch for
+    compiling): float32 greedy output is the base's, and the whole tree verifies several tokens a step."""
+    from transformers import CompileConfig
+
+    kwargs = {"cache_implementation": "static"}
+    if compiled:
+        config = CompileConfig(mode="default")
+        config._compile_all_devices = True
+        kwargs["compile_config"] = config
+    rate = _rate(shipped, tok, (1, 2), reference, do_sample=False, budget="full", **kwargs)
+    assert shipped.generation_stats.verified_per_step > 1
+    assert rate > 1.35, rate  # as on a dynamic cache (test_shipped_heads_are_exact_and_accept_long_paths)

@@ -148,7 +148,11 @@ def test_a_dynamic_cache_again_in_the_next_call():
     clover = oracle_model(base, ref)
     static = clover.generate(ids, max_new_tokens=30, do_sample=False, cache_implementation="static",
                              compile_config=on_cpu(), return_dict_in_generate=True)
-    assert isinstance(getattr(static, OUTPUT_CACHE_FIELD), StaticCache)
+    cache = getattr(static, OUTPUT_CACHE_FIELD)
+    assert isinstance(cache, StaticCache) and int(cache.get_seq_length()) == ref.shape[1] - 1
+    with torch.no_grad():  # the returned cache goes on as plain decoding would: in place, outside inference mode
+        step = base(ref[:, -1:], cache=cache, position_ids=torch.tensor([[ref.shape[1] - 1]]))
+        assert torch.allclose(step.logits[0, -1], base(ref).logits[0, -1], atol=1e-5)
     dynamic = clover.generate(ids, max_new_tokens=30, do_sample=False, return_dict_in_generate=True)
     assert isinstance(getattr(dynamic, OUTPUT_CACHE_FIELD), DynamicCache)
     assert same(static.sequences, ref) and same(dynamic.sequences, ref) and clover_ran(clover)
