@@ -34,6 +34,7 @@ from .hardware import available_memory, cpu_capability, cpu_name
 from .linears import WeightCopies, copy_form
 from .quantized import quantization
 from .user_cache import default_cache_dir
+from .verify_forward import bucket
 
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -82,8 +83,7 @@ class CostModel:
         return self.ms[rows]
 
     def _bucket(self, width: int) -> int:
-        fits = [b for b in self.buckets or () if b >= width]
-        return fits[0] if fits else width
+        return width if self.buckets is None else bucket(width, self.buckets)
 
     def predict(self, rows: int, width: int) -> float:
         """Linear between measured widths; past the widest, proportional to the width (a bucket's width

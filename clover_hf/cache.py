@@ -37,6 +37,12 @@ def cache_keyword(model_class: type) -> str:
 OUTPUT_CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(GenerateDecoderOnlyOutput)} else "past_key_values"
 
 
+def given_cache(kwargs: dict):
+    """The cache in `generate`'s keyword arguments (the caller's, or one `generate` prepared), under the
+    keyword of transformers 5.24 (`cache`) or before (`past_key_values`); None if there is none."""
+    return kwargs.get("cache", kwargs.get("past_key_values"))
+
+
 def is_static(cache) -> bool:
     """Whether `cache` is preallocated and written in place (transformers' static layers)."""
     return isinstance(cache, StaticCache)

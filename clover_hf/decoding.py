@@ -23,7 +23,7 @@ from transformers import GenerationConfig, LogitsProcessorList, MaxLengthCriteri
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .budget import DraftBudget, cost_key
-from .cache import OUTPUT_CACHE_FIELD, capacity, is_static, static_cache
+from .cache import OUTPUT_CACHE_FIELD, capacity, given_cache, is_static, static_cache
 from .choosing import StepBudget
 from .drafting import Draft, draft_rows, stack_trees, static_trees, tree_spec
 from .heads import DraftHeads, DraftLMHead
@@ -118,7 +118,7 @@ def _decode_context(generate):
     @functools.wraps(generate)  # keeps the signature, which transformers reads for custom arguments
     def run(*args, **kwargs):
         model = kwargs["model"] if "model" in kwargs else args[0]
-        static = is_static(kwargs.get("cache", kwargs.get("past_key_values")))
+        static = is_static(given_cache(kwargs))
         with tree_attention_backends(model.device), torch.no_grad() if static else torch.inference_mode():
             out = generate(*args, **kwargs)
         return _out_of_inference_mode(out)
@@ -126,21 +126,14 @@ def _decode_context(generate):
     return run
 
 
-def _callers_cache(model_kwargs: dict):
-    """The cache the caller passed to `generate` (transformers marks it), or None."""
-    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    return cache if getattr(cache, "_is_user_defined", False) else None
-
-
 def _decode_cache(model: PreTrainedModel, model_kwargs: dict, generation_config: GenerationConfig, widest: int):
     """The cache to decode into: the caller's own static cache, a static one of room enough for the text and
     the widest forward where `generate` prepared one (cache_implementation="static"), else None (a dynamic
     cache, made by the prefill)."""
-    caller = _callers_cache(model_kwargs)
-    if caller is not None:
-        return caller
-    prepared = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    if not is_static(prepared):
+    given = given_cache(model_kwargs)
+    if getattr(given, "_is_user_defined", False):  # the caller's (transformers marks it)
+        return given
+    if not is_static(given):
         return None
     # as transformers sizes its static caches: never smaller than an earlier call's (its shapes stay compiled),
     # nor than `max_cache_len`, which fixes the size for calls up to that length
@@ -202,7 +195,7 @@ def clover_generate(
     streamer = clover_streamer if clover_streamer is not None else streamer
     if input_ids.shape[0] > 1 and (any(keep) or streamer is not None):
         raise ValueError("Clover returns scores and streams for batch size 1 only; pass one sequence at a time")
-    prepared = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # generate's or the caller's
+    prepared = given_cache(model_kwargs)  # generate's or the caller's
     sample, pre_norm = bool(generation_config.do_sample), clover_heads.config.head_input == "pre_norm"
     verify = VerifyForward(model, pre_norm, compile_settings(model, generation_config, prepared))
     plan = _plan(model, clover_heads, input_ids.shape[0], generation_config, stopping_criteria, clover_tree,

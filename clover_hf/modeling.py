@@ -22,7 +22,7 @@ from .config import CloverConfig
 from .decoding import GenerationStats, clover_generate
 from .heads import CloverHeads, DraftHeads, build_heads
 from .hub import HEADS_FILES, is_heads_dir, load_heads, resolve_heads, save_heads
-from .cache import capacity, is_static, static_sliding_layers
+from .cache import capacity, given_cache, is_static, static_sliding_layers
 from .quantized import check_readable
 from .verification import MaskLayout
 
@@ -406,7 +406,7 @@ class CloverForCausalLM(nn.Module):
     def _cache_reason(self, ids: torch.Tensor, config: GenerationConfig, kwargs: dict) -> str | None:
         """Why Clover cannot decode into the cache asked for (None: it can): a dynamic cache, a static one
         (`cache_implementation="static"`, or the caller's own empty `StaticCache` of room enough)."""
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache = given_cache(kwargs)
         static = cache is not None or config.cache_implementation not in (None, "dynamic")
         if not static:
             return None

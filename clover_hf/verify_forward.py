@@ -42,10 +42,11 @@ def compile_settings(model: PreTrainedModel, generation_config: GenerationConfig
     return config if config is not None else CompileConfig()
 
 
-def bucket(width: int) -> int:
-    """The compiled width that holds a tree of `width` tokens."""
-    fits = [b for b in BUCKETS if b >= width]
-    return fits[0] if fits else -(-width // BUCKETS[-1]) * BUCKETS[-1]
+def bucket(width: int, buckets: tuple[int, ...] | None = None) -> int:
+    """The compiled width that holds a tree of `width` tokens, among `buckets` (default `BUCKETS`)."""
+    buckets = buckets or BUCKETS
+    fits = [b for b in buckets if b >= width]
+    return fits[0] if fits else -(-width // buckets[-1]) * buckets[-1]
 
 
 @dataclass
