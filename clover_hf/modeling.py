@@ -17,12 +17,12 @@ from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.configuration_utils import GenerationMode
 
 from .budget import CostModel, DraftBudget
+from .cache import capacity, given_cache, is_static, static_sliding_layers
 from .card import write_model_card
 from .config import CloverConfig
 from .decoding import GenerationStats, clover_generate
 from .heads import CloverHeads, DraftHeads, build_heads
 from .hub import HEADS_FILES, is_heads_dir, load_heads, resolve_heads, save_heads
-from .cache import capacity, given_cache, is_static, static_sliding_layers
 from .quantized import check_readable
 from .verification import MaskLayout
 
