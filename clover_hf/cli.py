@@ -122,9 +122,10 @@ def make_parser() -> argparse.ArgumentParser:
     bench.add_argument("--recheck", type=int, default=3,
                        help="time each prompt on which a method ran below 0.9x plain this many more times, "
                             "and report the median too (0: never)")
-    bench.add_argument("--static", action="store_true",
+    bench.add_argument("--static", action=argparse.BooleanOptionalAction, default=None,
                        help="also run plain generate and Clover on a static cache with a compiled forward, as "
-                            "transformers compiles it (CUDA graphs on a GPU; on a CPU with its _compile_all_devices)")
+                            "transformers compiles it (CUDA graphs on a GPU; on a CPU with its _compile_all_devices); "
+                            "default: on a GPU")
     bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     bench.add_argument("--device", default=None,
                        help="cpu, cuda, cuda:1, ... (default: the machine's accelerator if it has one, else cpu)")
@@ -226,7 +227,7 @@ def export_generate_command(directory: str, repo_id: str | None, push_to_hub: st
 
 def bench_command(heads, base_model, dtype, quantize, prompts, limit, max_new_tokens, do_sample, temperature,
                   no_prompt_lookup, medusa_heads, no_medusa, batch_size, variants, recheck, threads, device, out_dir,
-                  static=False) -> None:
+                  static=None) -> None:
     import json
     from pathlib import Path
 
@@ -263,7 +264,7 @@ def bench_command(heads, base_model, dtype, quantize, prompts, limit, max_new_to
     if runs and not any(kw.get("budget") == "one-token" for kw in runs.values()):
         runs = {bench.ONE_TOKEN: {"budget": "one-token"}, **runs}  # what speculation adds is measured against it
     plain_runs = None
-    if static:
+    if static or (static is None and device.type in ("cuda", "xpu")):
         plain_runs, clover_static = bench.static_runs(device)
         runs = {**(runs or bench.DEFAULT_RUNS), **clover_static}
     results = bench.run_benchmark(model, tokenizer, texts, max_new_tokens, do_sample, not no_prompt_lookup,

@@ -218,7 +218,7 @@ class Session:
         cmd = [sys.executable, "-m", "clover_hf.cli", "bench", "--heads", str(heads), "--base-model",
                self.base_dir("bfloat16"), "--device", self.args.device, "--dtype", "bfloat16", "--prompts",
                self.args.prompts, "--limit", str(self.args.bench_limit), "--max-new-tokens", str(self.args.max_new_tokens),
-               "--no-prompt-lookup", "--recheck", "0", "--variants", '{"auto": {}, "full": {"budget": "full"}}',
+               "--no-prompt-lookup", "--recheck", "0", "--no-static", "--variants", '{"auto": {}, "full": {"budget": "full"}}',
                "--out-dir", str(self.work / f"bench-{name}")]
         cmd += ["--medusa-heads", str(medusa)] if medusa else ["--no-medusa"]
         if self.sh(f"bench-{name}", cmd) is not None:
