@@ -483,12 +483,18 @@ class DraftBudget:
             return self.fixed.forms or {}
         costs = self.stored(key)
         if calibrate or (calibrate is None and costs.forms is None):
-            forms = measure(self.copy_limit())
-            if forms != costs.forms:  # curves timed under other forms no longer hold
-                costs.ms, costs.timed_at = {}, {}
-            costs.forms = forms
+            self.share_forms(key, measure(self.copy_limit()))
             save_costs(key, costs, self.cache_dir)
         return costs.forms or {}
+
+    def share_forms(self, key: str, forms: dict[int, str]) -> None:
+        """Costs under `key` are timed in `forms` (measured for it, or under another key: another cache on the
+        same machine); curves timed under other forms no longer hold, and are dropped."""
+        if self.fixed is not None:
+            return
+        costs = self.stored(key)
+        if costs.forms != forms:
+            costs.ms, costs.timed_at, costs.forms = {}, {}, dict(forms)
 
     def costs(self, key: str, rows: int, limit: int, measure: Callable[[int], float], calibrate: bool | None
               ) -> CostModel | None:

@@ -64,6 +64,20 @@ def static_sliding_layers(cache) -> bool:
     return is_static(cache) and any(getattr(layer, "is_sliding", False) for layer in cache.layers)
 
 
+def to_normal_tensors(cache) -> None:
+    """A static cache's tensors made in inference mode, as normal tensors (copied; called outside it), so
+    that it can be updated in place after the call, as plain decoding goes on with it. A dynamic cache
+    only ever concatenates onto its tensors, which inference tensors allow."""
+    if not is_static(cache):
+        return
+    for layer in _layers(cache):
+        for name in ("keys", "values", "cumulative_length"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor) and t.is_inference():
+                setattr(layer, name, t.clone())
+                torch._dynamo.mark_static_address(getattr(layer, name))  # as transformers marks them
+
+
 def _layers(cache: DynamicCache):
     return [layer for layer in cache.layers if getattr(layer, "is_initialized", True)]
 

@@ -23,7 +23,7 @@ from transformers import GenerationConfig, LogitsProcessorList, MaxLengthCriteri
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .budget import DraftBudget, cost_key
-from .cache import OUTPUT_CACHE_FIELD, capacity, given_cache, is_static, static_cache
+from .cache import OUTPUT_CACHE_FIELD, capacity, given_cache, is_static, static_cache, to_normal_tensors
 from .choosing import StepBudget
 from .drafting import Draft, draft_rows, stack_trees, static_trees, tree_spec
 from .heads import DraftHeads, DraftLMHead
@@ -94,11 +94,15 @@ def tree_attention_backends(device: torch.device) -> Iterator[None]:
         cuda.enable_cudnn_sdp(True)
 
 
-def _out_of_inference_mode(out: torch.Tensor | GenerateDecoderOnlyOutput) -> torch.Tensor | GenerateDecoderOnlyOutput:
-    """What `generate` returns, as normal tensors the caller may change in place. The cache stays as it is
-    (cloning it would double its memory): `DynamicCache` only ever concatenates onto its tensors."""
+def _out_of_inference_mode(out: torch.Tensor | GenerateDecoderOnlyOutput, callers_cache
+                           ) -> torch.Tensor | GenerateDecoderOnlyOutput:
+    """What `generate` returns, as normal tensors the caller may change in place. A dynamic cache stays as it
+    is (cloning it would double its memory): it only ever concatenates onto its tensors; a static cache, the
+    caller's own or the one returned, is updated in place, so its tensors are copied out."""
+    to_normal_tensors(callers_cache)
     if isinstance(out, torch.Tensor):
         return out.clone()
+    to_normal_tensors(getattr(out, OUTPUT_CACHE_FIELD, None))
     out.sequences = out.sequences.clone()
     for name in ("scores", "logits"):
         if getattr(out, name) is not None:
@@ -107,9 +111,7 @@ def _out_of_inference_mode(out: torch.Tensor | GenerateDecoderOnlyOutput) -> tor
 
 
 def _decode_context(generate):
-    """Run `generate(model, ...)` under `tree_attention_backends(model.device)` and `torch.inference_mode()`
-    (`no_grad` on a static cache: it is updated in place, also after the call, which inference tensors
-    allow only in inference mode).
+    """Run `generate(model, ...)` under `tree_attention_backends(model.device)` and `torch.inference_mode()`.
 
     Plain `generate` runs under `no_grad`; inference mode also skips autograd's version counting and
     view tracking on every op, which saved 1.5-2 ms of a 37-62 ms one-token SmolLM2-135M forward on
@@ -118,10 +120,9 @@ def _decode_context(generate):
     @functools.wraps(generate)  # keeps the signature, which transformers reads for custom arguments
     def run(*args, **kwargs):
         model = kwargs["model"] if "model" in kwargs else args[0]
-        static = is_static(given_cache(kwargs))
-        with tree_attention_backends(model.device), torch.no_grad() if static else torch.inference_mode():
+        with tree_attention_backends(model.device), torch.inference_mode():
             out = generate(*args, **kwargs)
-        return _out_of_inference_mode(out)
+        return _out_of_inference_mode(out, given_cache(kwargs))
 
     return run
 
@@ -288,7 +289,7 @@ def _plan(model: PreTrainedModel, heads: DraftHeads, batch: int, generation_conf
     """The call's tree, lookup chain and draft rows from the arguments and the heads' config (refusing what
     would fail only after decoding started), and the linear forms the budget has for this machine (none
     where the forward is `compiled`: the compiler chooses its kernels). `cache_kind` ("static eager", ...)
-    keys the verify costs apart from a dynamic cache's."""
+    keys the verify costs apart from a dynamic cache's; the forms are the machine's either way."""
     device = model.device
     spec = tree_spec(tree, heads.config, device, batch)
     if isinstance(spec, DynamicTree) and not heads.dynamic_trees:
@@ -304,10 +305,12 @@ def _plan(model: PreTrainedModel, heads: DraftHeads, batch: int, generation_conf
         raise ValueError(f"the tree is {depth} deep but the heads draft {heads.config.num_heads} tokens")
     if int8 is None:  # by default only where it was measured to pay: the CPU in bf16
         int8 = device.type == "cpu" and model.dtype == torch.bfloat16
-    key = None if budget is None else "|".join([cost_key(model, device), budget.key_suffix()]
-                                               + ([cache_kind] if cache_kind else []))
-    forms = {} if key is None or compiled else budget.forms(
-        key, calibrate, lambda limit: faster_forms([model, heads], copy_limit=limit, copies=budget.copies))
+    machine = None if budget is None else f"{cost_key(model, device)}|{budget.key_suffix()}"
+    forms = {} if machine is None or compiled else budget.forms(
+        machine, calibrate, lambda limit: faster_forms([model, heads], copy_limit=limit, copies=budget.copies))
+    key = machine if machine is None or not cache_kind else f"{machine}|{cache_kind}"
+    if key != machine:  # the same forms on another cache, with costs of its own
+        budget.share_forms(key, forms)
     lm_head = dataclasses.replace(heads.draft_lm_head(model.get_output_embeddings(), int8=int8), forms=forms)
     return _Plan(heads, spec, trees, depth, lookup, lookup_max, heads.token_embedding(model), lm_head,
                  generation_config.max_length, key, forms)

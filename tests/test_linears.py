@@ -414,6 +414,24 @@ def test_a_weight_copy_chosen_at_one_verify_row_count_alone_is_not_kept(monkeypa
     assert faster_forms([model], copy_limit=limit) == {n: "packed" for n in COUNTS}
 
 
+def test_kept_copies_serve_every_verify_row_count_they_were_timed_faster_at(monkeypatch):
+    """Copies kept for some row counts cost no more memory at others: a count where they were faster, but
+    short of COPY_GAIN against the best form without one, takes them too (on the AVX-512-bf16 EPYC, W @ x.T
+    kept at 16 rows made 16-token verify forwards twice as dear); one row's choice stands."""
+    import clover_hf.linears as linears
+
+    monkeypatch.setattr(linears, "onednn_packs", lambda: True)
+    cost = {"linear": 1.0, "transposed": 0.8}
+    packed = {1: 0.78, 2: 0.5, 4: 0.5, 8: 0.5}  # from 16 rows: 0.75, within COPY_GAIN of W @ x.T's 0.8
+    _fake_timings(monkeypatch, lambda rows, form: rows * (packed.get(rows, 0.75) if form == "packed" else cost[form]))
+    model = tiny_model("llama")
+    forms = faster_forms([model], copy_limit=copies_nbytes([model], "packed"))
+    assert forms == {n: "packed" for n in EVERY} and 1 not in forms  # one row: 0.78 is not ONE_ROW_GAIN's 0.8
+    cost["transposed"] = 0.7  # faster than the copies from 16 rows: it keeps those counts
+    forms = faster_forms([model], copy_limit=copies_nbytes([model], "packed"))
+    assert {n: forms[n] for n in EVERY} == {n: "packed" if n <= 8 else "transposed" for n in EVERY}
+
+
 def test_float16_copies_are_not_tried_where_float16_holds_few_weights(monkeypatch):
     import clover_hf.linears as linears
 

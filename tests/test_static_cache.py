@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import CompileConfig, DynamicCache, GenerationConfig, StaticCache
 
-from clover_hf import CloverForCausalLM, verify_forward
+from clover_hf import CloverForCausalLM, DraftBudget, verify_forward
 from clover_hf.cache import OUTPUT_CACHE_FIELD
 from clover_hf.verify_forward import BUCKETS, bucket, compile_settings
 
@@ -248,3 +248,58 @@ def test_the_budget_on_a_static_compiled_cache_keys_its_costs_apart():
     keys = list(clover._draft_budget._costs)
     assert any(k.endswith("static compiled aot_eager reduce-overhead") for k in keys)
     assert any("static" not in k for k in keys)
+
+
+@pytest.mark.parametrize("compile", list(COMPILE))
+def test_scores_eos_and_the_streamer_on_a_static_cache(compile):
+    """What a user asks of `generate` besides tokens: scores and logits, an eos inside an accepted path, the
+    streamer, as on a dynamic cache."""
+    import contextlib
+    import io
+
+    from transformers import TextStreamer
+
+    from .tiny import byte_tokenizer
+
+    base = tiny_model("llama")
+    ids = prompt(10)
+    kw = dict(max_new_tokens=20, do_sample=False, return_dict_in_generate=True, output_scores=True,
+              output_logits=True, repetition_penalty=1.3)
+    ref = base.generate(ids, **kw)
+    clover = oracle_model(base, ref.sequences)
+    out = clover.generate(ids, cache_implementation="static", **kw, **COMPILE[compile])
+    assert same(out.sequences, ref.sequences) and len(out.scores) == 20
+    for a, b in zip(out.scores + out.logits, ref.scores + ref.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    eos = int(ref.sequences[0, ids.shape[1] + 7])
+    plain = dict(max_new_tokens=20, do_sample=False, eos_token_id=eos)
+    assert same(clover.generate(ids, cache_implementation="static", **plain, **COMPILE[compile]),
+                base.generate(ids, **plain))
+    printed = []
+    for model in (base, clover):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            model.generate(ids, max_new_tokens=20, do_sample=False, cache_implementation="static",
+                           streamer=TextStreamer(byte_tokenizer(), skip_prompt=True))
+        printed.append(buf.getvalue())
+    assert printed[0] == printed[1] and printed[0].strip()
+
+
+def test_a_static_cache_multiplies_in_the_forms_timed_for_the_machine(monkeypatch, tmp_path):
+    """How linear layers multiply is the machine's, whatever the cache: a static call takes the forms timed for
+    the dynamic cache (timed once) and learns verify costs of its own under them."""
+    from clover_hf import decoding
+
+    timed = []
+    real = decoding.faster_forms
+    monkeypatch.setattr(decoding, "faster_forms", lambda *a, **k: timed.append(1) or real(*a, **k))
+    base = tiny_model("llama")
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
+    ids = prompt(4)
+    ref = base.generate(ids, max_new_tokens=20, do_sample=False)
+    budget = DraftBudget(cache_dir=tmp_path)  # nothing stored yet
+    for kwargs in ({}, {"cache_implementation": "static"}):
+        assert same(clover.generate(ids, max_new_tokens=20, do_sample=False, budget=budget, **kwargs), ref)
+    costs = budget._costs
+    dynamic, static = (next(c for k, c in costs.items() if k.endswith(end)) for end in ("copies", "static eager"))
+    assert len(timed) == 1 and static.forms == dynamic.forms and static.ms and static.ms is not dynamic.ms
