@@ -118,7 +118,7 @@ class VerifyForward:
     positions, cache)`, compiled when `config` is given and the cache is static."""
 
     def __init__(self, model: PreTrainedModel, pre_norm: bool, config: CompileConfig | None = None) -> None:
-        self.model, self.pre_norm, self.config = model, pre_norm, config
+        self.model, self.pre_norm = model, pre_norm
         self.compiled = None if config is None else _compiled(model, config, pre_norm)
         self.config = None if self.compiled is None else config
         self.settled = True  # whether the last call ran a shape past its compiling calls (its time is the step's)
@@ -142,24 +142,24 @@ class VerifyForward:
         return padded if room is None or padded <= room else tokens
 
     def __call__(self, ids: torch.Tensor, mask, positions: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.compiled is None or not is_static(cache):
-            self.settled = True
-            return base_forward(self.model, ids, mask, positions, cache, pre_norm=self.pre_norm)
-        shape = (tuple(ids.shape), tuple(mask.shape))
-        calls = self.compiled.calls.get(shape, 0)
-        if calls == 0 and len(self.compiled.shapes) >= MAX_SHAPES:
-            calls = -1  # past the limit: this shape runs eager from now on
-        self.compiled.calls[shape] = calls + 1 if calls >= 0 else -1
+        calls = self._calls_before((tuple(ids.shape), tuple(mask.shape))) if is_static(cache) else -1
+        self.settled = calls < 0 or calls >= WARM_CALLS
         if calls < 0:
-            self.settled = True
             return base_forward(self.model, ids, mask, positions, cache, pre_norm=self.pre_norm)
-        self.compiled.shapes.add(shape)
-        self.settled = calls >= WARM_CALLS
         if self.model.device.type == "cuda" and self.config.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs were copied out
         logits, hidden = self.compiled(ids, mask, positions, cache)
         return logits.clone(), hidden.clone()  # a CUDA graph's outputs are overwritten by its next replay
 
-    def compiled_shapes(self) -> int:
-        """How many shapes this model's forward has been compiled for, under these settings."""
-        return 0 if self.compiled is None else len(self.compiled.shapes)
+    def _calls_before(self, shape: tuple) -> int:
+        """How many times `shape` ran compiled before this call, which it counts; -1 where it runs eager (not
+        compiled, or a new shape past `MAX_SHAPES`)."""
+        if self.compiled is None:
+            return -1
+        calls = self.compiled.calls.get(shape, 0)
+        if calls == 0 and len(self.compiled.shapes) >= MAX_SHAPES:
+            calls = -1
+        self.compiled.calls[shape] = calls + 1 if calls >= 0 else -1
+        if calls >= 0:
+            self.compiled.shapes.add(shape)
+        return calls
