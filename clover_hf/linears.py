@@ -542,9 +542,9 @@ def _one_kind_of_copy(chosen: dict[int, str], timings: dict[int, dict[str, float
     every weight for one row count's gain is not worth its memory: float32 on the AVX2-only EPYC
     chose oneDNN's packed copies at 8 rows alone). The row counts that chose another take their best
     form of the rest; those of two rows or more where the kept copies were timed faster than the form
-    chosen there take them too, their memory being spent already (on the AVX-512-bf16 EPYC, 16 rows had kept W @ x.T,
-    timed 11.5 ms against 10.5 for the blocked layout over SmolLM2's shapes, short of COPY_GAIN, and
-    16-token verify forwards then took 42 ms against 22)."""
+    chosen there take them too, their memory being spent already (on the AVX-512-bf16 EPYC, 16 rows had
+    kept W @ x.T, timed 11.5 ms against 10.5 for the blocked layout over SmolLM2's shapes, short of
+    COPY_GAIN, and 16-token verify forwards then took 42 ms against 22)."""
     kinds = {form for form in chosen.values() if form in COPIES}
     if not kinds:
         return chosen
