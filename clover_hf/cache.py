@@ -82,10 +82,15 @@ def _layers(cache: DynamicCache):
     return [layer for layer in cache.layers if getattr(layer, "is_initialized", True)]
 
 
+def _static_layer(layer) -> bool:
+    """Whether a cache layer is written in place at its `cumulative_length` (transformers' static layers)."""
+    return hasattr(layer, "cumulative_length")
+
+
 def _set_length(layer, end: int) -> None:
     """A layer's stored length after compaction: a static layer's write position moves back (in place, so
     its address stays fixed for compiled forwards), a dynamic layer's tensors are cut."""
-    if hasattr(layer, "cumulative_length"):
+    if _static_layer(layer):
         layer.cumulative_length.fill_(end)
     else:
         layer.keys = layer.keys[..., :end, :]
@@ -95,7 +100,7 @@ def _set_length(layer, end: int) -> None:
 def _replace(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Give a layer new key and value tensors (fewer rows or slots). A static layer keeps its size: the
     new ones are written at its first slots, or, with fewer rows, into fresh tensors of its size."""
-    if not hasattr(layer, "cumulative_length"):
+    if not _static_layer(layer):
         layer.keys, layer.values = keys, values
         return
     if keys.shape[0] != layer.keys.shape[0]:
@@ -155,7 +160,7 @@ def select_rows(cache: DynamicCache, rows: torch.Tensor, columns: torch.Tensor |
         if columns is not None:
             used = columns.to(layer.keys.device)
             keys, values = keys[..., used, :], values[..., used, :]
-        elif hasattr(layer, "cumulative_length"):  # a static layer's slots past its length hold nothing
+        elif _static_layer(layer):  # a static layer's slots past its length hold nothing
             length = int(layer.cumulative_length)
             keys, values = keys[..., :length, :], values[..., :length, :]
         _replace(layer, keys, values)

@@ -225,9 +225,10 @@ def clover_generate(
         clock = _Clock(stats.stage_seconds if clover_profile else None, device)  # the steps' stages, from here
         while batch.active:
             drafts, chains = _draft(batch.active, plan, budget, stats, clock)
-            drafts = _fit(drafts, batch.room())
+            room = batch.room()
+            drafts = _fit(drafts, room)
             started = time.perf_counter()
-            width = verify.width(max(d.tokens.shape[0] for d in drafts), batch.room())
+            width = verify.width(max(d.tokens.shape[0] for d in drafts), room)
             ids, node_pos, allowed = stack_trees(drafts, batch.active, width)
             mask = batch.attention(node_pos, allowed, model.dtype)
             logits, hidden = verify(ids, mask, node_pos, batch.cache)

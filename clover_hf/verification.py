@@ -125,7 +125,12 @@ def base_forward(model: PreTrainedModel, ids, mask, positions, cache, logits_to_
         raise RuntimeError(f"{type(model).__name__}.get_decoder() returned a module its forward did not run; Clover "
                            "reads the last hidden states from it")
     last = captured[-1]
-    return out.logits.float(), last[0] if isinstance(last, tuple) else last.last_hidden_state
+    return out.logits.float(), last_hidden(last)
+
+
+def last_hidden(decoder_output) -> torch.Tensor:
+    """The last hidden states in what a base's decoder returns (a tuple or a model output)."""
+    return decoder_output[0] if isinstance(decoder_output, tuple) else decoder_output.last_hidden_state
 
 
 # transformers' warpers that transform each row of scores on its own, whatever the prefix

@@ -19,7 +19,7 @@ from transformers import CompileConfig, GenerationConfig, PreTrainedModel
 
 from .base_parts import final_norm
 from .cache import cache_keyword, is_static
-from .verification import base_forward
+from .verification import base_forward, last_hidden
 
 BUCKETS = (1, 4, 16, 64, 160, 256)  # tree widths a compiled forward is padded to (wider: multiples of the last);
 # 160 holds an accelerator's 128-node dynamic tree with its lookup chain
@@ -63,7 +63,11 @@ class _Compiled:
     pre: bool  # a forward pre-hook (the norm's input) rather than a forward hook (the decoder's output)
     last: list = field(default_factory=lambda: [None])
     calls: dict[tuple, int] = field(default_factory=dict)  # shape -> calls so far (-1: runs eager)
-    shapes: set[tuple] = field(default_factory=set)  # the shapes compiled
+
+    @property
+    def shapes(self) -> set[tuple]:
+        """The shapes compiled."""
+        return {shape for shape, calls in self.calls.items() if calls > 0}
 
     def __call__(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
         register = self.module.register_forward_pre_hook if self.pre else self.module.register_forward_hook
@@ -80,7 +84,7 @@ def _grab_input(last: list, module, args) -> None:
 
 
 def _grab_output(last: list, module, args, out) -> None:
-    last[0] = out[0] if isinstance(out, tuple) else out.last_hidden_state
+    last[0] = last_hidden(out)
 
 
 def _logits_and_last(model: PreTrainedModel, keyword: str, last: list, ids, mask, positions, cache):
@@ -160,6 +164,4 @@ class VerifyForward:
         if calls == 0 and len(self.compiled.shapes) >= MAX_SHAPES:
             calls = -1
         self.compiled.calls[shape] = calls + 1 if calls >= 0 else -1
-        if calls >= 0:
-            self.compiled.shapes.add(shape)
         return calls

@@ -105,7 +105,7 @@ def test_sampling_with_top_k_1_on_a_static_compiled_cache_is_greedy():
 
 
 def test_compilations_are_bounded_by_the_buckets_and_kept_across_calls():
-    """Each width bucket compiles once; later calls compile nothing more."""
+    """Each width bucket compiles once, in whichever call first uses it: later calls compile no shape again."""
     backend = CountingBackend()
     base = tiny_model("llama")
     ids = prompt(5)
@@ -113,15 +113,13 @@ def test_compilations_are_bounded_by_the_buckets_and_kept_across_calls():
     clover = oracle_model(base, ref)
     settings = dict(max_new_tokens=40, do_sample=False, cache_implementation="static", compile_config=on_cpu(backend))
     trees = [{}, {"tree": [[0], [0, 0]], "lookup": 1}]  # the whole tree with its chain; a 4-node tree
-    for kwargs in trees:
-        assert same(clover.generate(ids, **settings, **kwargs), ref)
-    calls = next(iter(verify_forward._COMPILED[base].values())).shapes
-    widths = {ids_shape[1] for ids_shape, _ in calls}
+    for _ in range(2):
+        for kwargs in trees:
+            assert same(clover.generate(ids, **settings, **kwargs), ref)
+        shapes = next(iter(verify_forward._COMPILED[base].values())).shapes
+        assert backend.graphs == len(shapes)  # one graph per shape called, none compiled twice
+    widths = {ids_shape[1] for ids_shape, _ in shapes}
     assert widths <= set(BUCKETS) and len(widths) >= 2  # padded to buckets, more than one of them used
-    assert backend.graphs == len(calls)  # one graph per shape
-    for kwargs in trees:
-        assert same(clover.generate(ids, **settings, **kwargs), ref)
-    assert backend.graphs == len(calls)  # nothing compiled again
 
 
 def test_shapes_past_the_limit_run_eager(monkeypatch):
