@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from .hardware import available_memory, cpu_capability, cpu_name
+from .form_trials import FormTrials
 from .linears import WeightCopies, copy_form
 from .quantized import quantization
 from .user_cache import default_cache_dir
@@ -60,6 +61,9 @@ class CostModel:
     # how linear layers compute each row count (batch rows x tokens; `linears.faster_forms`), which the
     # costs were timed under; None: not measured yet
     forms: dict[int, str] | None = None
+    # the row counts whose forms are still to be learnt from the products of later calls (`form_trials`);
+    # None or empty: none (forms timed apart by `faster_forms`, or every row count settled)
+    pending: list[int] | None = None
     # the widths a compiled forward is padded to (`verify_forward.BUCKETS`): a width costs what its bucket
     # does, and only buckets are timed; None: every width is its own forward
     buckets: tuple[int, ...] | None = None
@@ -153,13 +157,18 @@ class CostModel:
 
     def to_json(self) -> dict:
         data = {str(r): {str(w): round(ms, 3) for w, ms in sorted(c.items())} for r, c in self.ms.items()}
-        return data if self.forms is None else {**data, "forms": {str(n): f for n, f in sorted(self.forms.items())}}
+        if self.forms is not None:
+            data["forms"] = {str(n): f for n, f in sorted(self.forms.items())}
+        if self.pending:
+            data["pending"] = sorted(self.pending)
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> "CostModel":
         curves = {int(r): {int(w): float(ms) for w, ms in c.items()} for r, c in data.items() if r.isdigit()}
-        forms = data.get("forms")
-        return cls(curves, forms={int(n): str(f) for n, f in forms.items()} if isinstance(forms, dict) else None)
+        forms, pending = data.get("forms"), data.get("pending")
+        return cls(curves, forms={int(n): str(f) for n, f in forms.items()} if isinstance(forms, dict) else None,
+                   pending=[int(n) for n in pending] if isinstance(pending, list) else None)
 
 
 def cost_key(model: torch.nn.Module, device: torch.device) -> str:
@@ -427,6 +436,7 @@ class DraftBudget:
         self.copies = WeightCopies()
         self._costs: dict[str, CostModel] = {}
         self._acceptance: dict[tuple, AcceptanceModel] = {}
+        self._trials: dict[str, FormTrials] = {}  # forms being learnt from calls' products, per machine key
         self.gate = HeadsGate()
 
     def one_token(self) -> "DraftBudget":
@@ -454,9 +464,9 @@ class DraftBudget:
         """What the forms (and so the costs) depend on beyond the machine: whether weight copies are allowed."""
         return "weight copies" if self.weight_copies is not False else "no weight copies"
 
-    def use_copies(self, forms: dict[int, str]) -> WeightCopies | None:
-        """The weight copies `forms` compute from, bounded by `copy_limit` (freed when they use none)."""
-        if copy_form(forms) is None:
+    def use_copies(self, forms: dict[int, str], trials: FormTrials | None = None) -> WeightCopies | None:
+        """The weight copies `forms` (and `trials`) compute from, bounded by `copy_limit` (freed when they use none)."""
+        if copy_form(forms) is None and trials is None:
             self.copies.clear()
             return None
         self.copies.limit = self.copy_limit()
@@ -484,17 +494,53 @@ class DraftBudget:
         costs = self.stored(key)
         if calibrate or (calibrate is None and costs.forms is None):
             self.share_forms(key, measure(self.copy_limit()))
+            costs.pending = None
+            self._trials.pop(key, None)
             save_costs(key, costs, self.cache_dir)
         return costs.forms or {}
 
-    def share_forms(self, key: str, forms: dict[int, str]) -> None:
+    def form_trials(self, key: str, calibrate: bool | None, models: list[torch.nn.Module]) -> FormTrials | None:
+        """The forms for `key` learnt from this call's own products (`form_trials`), where none are stored
+        or some row counts are still pending, and the call may measure (calibrate None); else None (the
+        forms come from `forms`). CPU only. One `FormTrials` serves the calls of a process until every
+        row count has settled; its forms are stored after each call (`keep_learnt`)."""
+        if self.fixed is not None or calibrate is not None:
+            return None
+        costs = self.stored(key)
+        if costs.forms is not None and not costs.pending:
+            return None
+        if not any(p.device.type == "cpu" for p in models[0].parameters()):
+            return None
+        trials = self._trials.get(key)
+        if trials is None or not trials.serves(models):
+            self.copies.limit = self.copy_limit()
+            pending = None if costs.forms is None else set(costs.pending)
+            trials = self._trials[key] = FormTrials(models, self.copies, costs.forms, pending)
+        trials.next_call()
+        return trials
+
+    def keep_learnt(self, key: str, trials: FormTrials) -> None:
+        """Store the forms `trials` learnt for `key` and the row counts still pending (none once `finished`).
+        Trials only ever settle on forms faster than those the verify costs were timed under: the costs
+        stay, and the steps that time them bring them down (dropping them would time every width again)."""
+        if self.fixed is None:
+            costs = self.stored(key)
+            done = trials.finished()
+            costs.forms, costs.pending = dict(trials.forms), None if done else sorted(trials.pending)
+            if done:
+                self._trials.pop(key, None)
+
+    def share_forms(self, key: str, forms: dict[int, str], learning: bool = False) -> None:
         """Costs under `key` are timed in `forms` (measured for it, or under another key: another cache on the
-        same machine); curves timed under other forms no longer hold, and are dropped."""
+        same machine); curves timed under other forms no longer hold, and are dropped, but while the forms
+        are `learning` from trials (which only settle on faster ones: see `keep_learnt`)."""
         if self.fixed is not None:
             return
         costs = self.stored(key)
         if costs.forms != forms:
-            costs.ms, costs.timed_at, costs.forms = {}, {}, dict(forms)
+            if not learning:
+                costs.ms, costs.timed_at = {}, {}
+            costs.forms = dict(forms)
 
     def costs(self, key: str, rows: int, limit: int, measure: Callable[[int], float], calibrate: bool | None
               ) -> CostModel | None:

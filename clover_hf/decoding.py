@@ -26,6 +26,7 @@ from .budget import DraftBudget, cost_key
 from .cache import OUTPUT_CACHE_FIELD, capacity, given_cache, is_static, static_cache, to_normal_tensors
 from .choosing import StepBudget
 from .drafting import Draft, draft_rows, stack_trees, static_trees, tree_spec
+from .form_trials import FormTrials
 from .heads import DraftHeads, DraftLMHead
 from .linears import LinearForms, faster_forms, linear_forms
 from .rows import Batch, Row, pad_id, prefill, sequences, start_rows
@@ -211,8 +212,9 @@ def clover_generate(
     widest = verify.width(plan.widest, None)
     cache = _decode_cache(model, model_kwargs, generation_config, widest)
 
-    copies = None if clover_budget is None else clover_budget.use_copies(plan.forms)
-    with linear_forms([model, clover_heads], plan.forms, copies):  # how this machine multiplies, for the whole call
+    copies = None if clover_budget is None else clover_budget.use_copies(plan.forms, plan.trials)
+    # how this machine multiplies, for the whole call
+    with linear_forms([model, clover_heads], plan.forms, copies, plan.trials):
         # Prefill: the prompts through the base; each row's hidden states wait for the heads' first draft.
         logits, hidden, positions, cache, plain_mask = prefill(model, input_ids, attention_mask, layout, pre_norm,
                                                                cache)
@@ -244,6 +246,8 @@ def clover_generate(
             _feed_heads(batch.active, accepted, news, hidden, node_pos, plan.embed)
             batch.drop_finished()
 
+    if plan.trials is not None:
+        clover_budget.keep_learnt(plan.machine, plan.trials)
     if budget is not None:
         budget.save()
     if streamer is not None:
@@ -276,6 +280,8 @@ class _Plan:
     max_length: int
     key: str | None  # the machine's key in the draft budget's costs (None: no budget)
     forms: LinearForms  # how linear layers multiply each row count here (linears.py)
+    machine: str | None = None  # the key the forms are kept under (`key` less the cache's kind)
+    trials: FormTrials | None = None  # the row counts whose forms this call's products learn
 
     @property
     def widest(self) -> int:
@@ -307,14 +313,18 @@ def _plan(model: PreTrainedModel, heads: DraftHeads, batch: int, generation_conf
     if int8 is None:  # by default only where it was measured to pay: the CPU in bf16
         int8 = device.type == "cpu" and model.dtype == torch.bfloat16
     machine = None if budget is None else f"{cost_key(model, device)}|{budget.key_suffix()}"
-    forms = {} if machine is None or compiled else budget.forms(
-        machine, calibrate, lambda limit: faster_forms([model, heads], copy_limit=limit, copies=budget.copies))
+    trials = None if machine is None or compiled else budget.form_trials(machine, calibrate, [model, heads])
+    if trials is not None:  # none stored: learnt from the call's own products
+        forms = trials.forms
+    else:
+        forms = {} if machine is None or compiled else budget.forms(
+            machine, calibrate, lambda limit: faster_forms([model, heads], copy_limit=limit, copies=budget.copies))
     key = machine if machine is None or not cache_kind else f"{machine}|{cache_kind}"
     if key != machine:  # the same forms on another cache, with costs of its own
-        budget.share_forms(key, forms)
+        budget.share_forms(key, forms, learning=trials is not None)
     lm_head = dataclasses.replace(heads.draft_lm_head(model.get_output_embeddings(), int8=int8), forms=forms)
     return _Plan(heads, spec, trees, depth, lookup, lookup_max, heads.token_embedding(model), lm_head,
-                 generation_config.max_length, key, forms)
+                 generation_config.max_length, key, forms, machine, trials)
 
 
 def _draft(rows: list[Row], plan: _Plan, budget: StepBudget | None, stats: GenerationStats, clock: _Clock

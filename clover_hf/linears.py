@@ -233,6 +233,7 @@ class WeightCopies:
         # weights stacked, and their biases stacked
         self._fused: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, tuple | None, int]] = weakref.WeakKeyDictionary()
         self.apart: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # first layers of groups seen taking other inputs
+        self.stacked: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # layers a stacked copy was made for
 
     def _recount(self) -> None:
         self.nbytes = sum(entry[2] for entries in (self._copies, self._fused) for entry in entries.values())
@@ -264,8 +265,11 @@ class WeightCopies:
                 self.nbytes += size
         if not fits:
             return
-        with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-            made = list(pool.map(lambda m: make_copy(m.weight, form), fits))
+        if len(fits) == 1:  # one layer (as trials make them): no pool to start
+            made = [make_copy(fits[0].weight, form)]
+        else:
+            with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+                made = list(pool.map(lambda m: make_copy(m.weight, form), fits))
         for m, copy in zip(fits, made):
             size = 0 if copy is None else copy_nbytes(m.weight, form)  # None: a weight this form cannot copy
             self._copies[m] = (self._stamp(m, form), copy, size)
@@ -289,6 +293,7 @@ class WeightCopies:
             if entry is not None and entry[0] == stamp:
                 continue
             self._fused.pop(group[0], None)
+            self.stacked.difference_update(group)
             for m in group:
                 self._copies.pop(m, None)
             todo.append((group, stamp))
@@ -306,6 +311,8 @@ class WeightCopies:
         for (group, stamp, size), copy in zip(fits, made):
             bias = None if group[0].bias is None else torch.cat([m.bias.detach() for m in group])
             self._fused[group[0]] = (stamp, None if copy is None else (copy, bias), 0 if copy is None else size)
+            if copy is not None:
+                self.stacked.update(group)
         self._recount()
 
     def prepare_units(self, units: list[tuple[nn.Linear, ...]], form: str) -> None:
@@ -318,9 +325,15 @@ class WeightCopies:
         self.prepare_fused([u for u in units if len(u) > 1], form)
         self.prepare([m for u in units if len(u) == 1 or self.get_fused(u, form) is None for m in u], form)
 
+    def discard(self, layer: nn.Linear) -> None:
+        """Drop `layer`'s own copy, if it has one."""
+        if self._copies.pop(layer, None) is not None:
+            self._recount()
+
     def clear(self) -> None:
         self._copies.clear()
         self._fused.clear()
+        self.stacked.clear()
         self.nbytes = 0
 
 
@@ -652,8 +665,8 @@ class _Stacked:
 
 
 @contextlib.contextmanager
-def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: WeightCopies | None = None
-                 ) -> Iterator[None]:
+def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: WeightCopies | None = None,
+                 trials=None) -> Iterator[None]:
     """Within the block, the models' plain nn.Linear layers compute in the form `forms` gives each
     input's row count; forms that compute from a weight copy take it from `copies` (made there as
     the block starts, where missing; without `copies`, or where one would not fit, they compute without one).
@@ -663,8 +676,10 @@ def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: Weight
     products against 16.0-16.5 in 211.
     Each layer's copy and each row count's form are looked up once, as the block starts (checking a copy
     against its weight at every product took ~2 ms of a SmolLM2 verify forward on the AVX2 EPYC): the
-    weights must not change within the block, as they do not within a `generate` call."""
-    if not forms:
+    weights must not change within the block, as they do not within a `generate` call.
+    `trials` (`form_trials.FormTrials`): products of the row counts it has still to learn (or learnt
+    within the block) are computed and timed by it instead."""
+    if not forms and trials is None:
         yield
         return
     forms = dict(forms)
@@ -683,6 +698,8 @@ def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: Weight
 
     def forward(self, x):
         rows = x.numel() // x.shape[-1] if x.dim() >= 2 else 1
+        if trials is not None and trials.handles(rows):
+            return trials.product(self, x, rows)
         form = form_of.get(rows)
         if form is None:
             form = form_of[rows] = form_for(forms, rows)

@@ -283,9 +283,9 @@ def test_scores_eos_and_the_streamer_on_a_static_cache(compile):
     assert printed[0] == printed[1] and printed[0].strip()
 
 
-def test_a_static_cache_multiplies_in_the_forms_timed_for_the_machine(monkeypatch, tmp_path):
-    """How linear layers multiply is the machine's, whatever the cache: a static call takes the forms timed for
-    the dynamic cache (timed once) and learns verify costs of its own under them."""
+def test_a_static_cache_multiplies_in_the_forms_learnt_for_the_machine(monkeypatch, tmp_path):
+    """How linear layers multiply is the machine's, whatever the cache: a static call takes the forms the dynamic
+    cache's call learnt from its products (none timed apart) and learns verify costs of its own under them."""
     from clover_hf import decoding
 
     timed = []
@@ -300,4 +300,4 @@ def test_a_static_cache_multiplies_in_the_forms_timed_for_the_machine(monkeypatc
         assert same(clover.generate(ids, max_new_tokens=20, do_sample=False, budget=budget, **kwargs), ref)
     costs = budget._costs
     dynamic, static = (next(c for k, c in costs.items() if k.endswith(end)) for end in ("copies", "static eager"))
-    assert len(timed) == 1 and static.forms == dynamic.forms and static.ms and static.ms is not dynamic.ms
+    assert not timed and static.forms is not None and static.ms and static.ms is not dynamic.ms

@@ -1,0 +1,244 @@
+"""The linear forms learnt from a call's own products, on a machine with none stored.
+
+`linears.faster_forms` times every form apart, before decoding: 0.3-0.46 s on the AVX-512-bf16 EPYC
+for SmolLM2-135M (0.1 s of it making the weight copies), which an answer of 18 tokens (0.43 s of plain
+decoding) never earned back: that first call ran 0.63x plain `generate`. Here nothing is timed apart.
+Each product of a row count not settled yet is computed in one of the candidate forms in turn and
+timed where it runs, inside a real forward; its output is used like any other (every form computes
+the same product). The first product of a shape in a form is not timed (oneDNN builds its kernel
+then); a form timed once at NATIVE_BEHIND times another's is not timed again for that shape. Once the
+shapes timed `SAMPLES` times in every form hold `COVERAGE` of the weights' bytes, the row count
+settles on the form with the least total time over the layers, by `faster_forms`' gain rules.
+Weight copies are made one layer (or one stacked group) at a time as products first need them,
+within `COPY_ALLOWANCE` of the time since the first product. The forms settled are kept, with the row
+counts still pending, after each call; once every row count of a verify forward (up to PACK_ROWS)
+settled, the forms are final. CPU only, as the forms are.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import Counter, defaultdict
+
+import torch
+from torch import nn
+
+from .linears import (COPIES, COPY_GAIN, LINEAR, MAX_ROWS, MIN_GAIN, NATIVE, NATIVE_BEHIND, ONE_ROW_GAIN, PACK_ROWS,
+                      PACKED, TRANSPOSED, WITHOUT_COPY, WeightCopies, _candidates, _linears, _Stacked,
+                      copy_forms_for, float16_exact, form_linear, shared_input_groups)
+
+SAMPLES = 3  # timings of each form per weight shape before a row count settles (the least counts: oneDNN's first
+# product of a new row count builds its kernel)
+COVERAGE = 0.75  # a row count settles once the shapes timed at it hold this share of the weights' bytes (SmolLM2:
+# its decoder layers' shapes hold 79%, its output embedding 21%)
+COPY_ALLOWANCE = 0.1  # weight copies are made while their making took at most this share of the time since the
+# trials' first product
+ROW_COUNTS = tuple(1 << k for k in range(MAX_ROWS.bit_length()))  # 1, 2, 4, ... MAX_ROWS
+
+
+def row_bucket(rows: int) -> int:
+    """The power of two at or below `rows` (at most MAX_ROWS): the row count whose form `rows` takes."""
+    return min(1 << (max(rows, 1).bit_length() - 1), MAX_ROWS)
+
+
+class FormTrials:
+    """Each row count's linear form, learnt from the products of the calls that use it.
+
+    `known`: forms settled before (stored for the machine), kept as they are; `pending`: the row counts
+    still to learn (default: all). `forms` holds the settled forms other than F.linear, as
+    `faster_forms` returns them, and changes in place as row counts settle."""
+
+    def __init__(self, models: list[nn.Module], copies: WeightCopies, known: dict[int, str] | None = None,
+                 pending: set[int] | None = None, clock=time.perf_counter) -> None:
+        self.copies, self.clock = copies, clock
+        layers = list({id(m): m for model in models for m in _linears(model)}.values())
+        vocab = {id(m.get_output_embeddings()) for m in models if hasattr(m, "get_output_embeddings")}
+        self.shape_of = {id(m): (tuple(m.weight.shape), id(m) in vocab) for m in layers}
+        self._layers = weakref.WeakSet(layers)
+        self.layers_of = Counter(self.shape_of.values())  # products of each shape in a forward of all layers
+        first = {}
+        for m in layers:
+            first.setdefault(self.shape_of[id(m)], m.weight)
+        self.bytes_of = {key: w.nbytes for key, w in first.items()}
+        self.total_bytes = sum(self.layers_of[key] * self.bytes_of[key] for key in first) or 1
+        dtype = next(iter(first.values())).dtype if first else torch.float32
+        half = dtype in (torch.float16, torch.bfloat16)
+        held = 1.0
+        if first and "float16_packed" in copy_forms_for(dtype):
+            exact = {key: float16_exact(w) for key, w in first.items()}
+            held = sum(self.layers_of[k] * self.bytes_of[k] for k, ok in exact.items() if ok) / self.total_bytes
+        candidates, copying = _candidates(models, dtype, copies.limit, held)
+        # one kind of copy at most, so that trials make copies of one kind only
+        candidates = [f for f in candidates if f not in copying or f == copying[0]]
+        self.copy_kind = copying[0] if copying else None
+        one_row = [f for f in candidates if f in (NATIVE, PACKED) or (f == TRANSPOSED and not half)]
+        # ATen's kernel (where oneDNN serves the dtype) only where it can win: at a few rows (on the AVX-512-bf16
+        # EPYC it took 5-12x oneDNN's time at 16-64 rows; `faster_forms` stops timing it once it falls behind)
+        self.candidates = {n: [LINEAR, *(one_row if n == 1 else [f for f in candidates if f != NATIVE or n <= PACK_ROWS])]
+                           for n in ROW_COUNTS}
+        self.forms: dict[int, str] = dict(known or {})
+        self.pending = set(ROW_COUNTS if pending is None else pending)
+        self.learnt: set[int] = set()  # row counts settled by these trials in the current call
+        self.totals: dict[int, dict[str, float]] = {}  # a learnt row count's ms per form over all the layers
+        self.fallback: dict[int, str] = {}  # a learnt row count's best form without a copy (layers lacking one)
+        self.ms: dict[tuple[int, tuple], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        self.seen: dict[int, set[tuple]] = defaultdict(set)
+        self.uncopied: set[tuple[tuple, str]] = set()  # (shape, form) whose copy could not be made
+        self.timing_copies: list[nn.Linear] = []  # layers given a copy only to be timed (see `_copy`)
+        self.warm: set[tuple] = set()  # (row count, shape, form) computed once already (the first is not timed)
+        self.group_of = {id(m): group for group in shared_input_groups(models) for m in group}
+        self.stacked_products: dict[nn.Linear, _Stacked] = {}  # by a group's first layer, in this call
+        self.copy_s = 0.0  # seconds spent making copies
+        self.started: float | None = None  # when the first product was computed here
+
+    def serves(self, models: list[nn.Module]) -> bool:
+        """Whether these trials were made for the linear layers of `models`."""
+        layers = {id(m) for model in models for m in _linears(model)}
+        return len(self._layers) == len(self.shape_of) and layers == self.shape_of.keys()  # none freed, none new
+
+    def next_call(self) -> None:
+        """A new call starts: the row counts settled so far are the forms' (`linear_forms` computes them, from
+        stacked copies where the form has them); these trials compute the pending ones."""
+        self.learnt.clear()
+        self.stacked_products = {}
+
+    def handles(self, rows: int) -> bool:
+        """Whether these trials compute products of `rows` rows (pending, or settled by them in this call)."""
+        n = row_bucket(rows)
+        return n in self.pending or n in self.learnt
+
+    def finished(self) -> bool:
+        """Whether the forms are final: every row count up to PACK_ROWS (verify forwards) settled. Row counts
+        above, where still pending, compute in F.linear."""
+        return not any(n in self.pending for n in ROW_COUNTS if n <= PACK_ROWS)
+
+    def product(self, layer: nn.Linear, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """`layer(x)` for `rows` rows: in the settled form, or in the next form to time (timed)."""
+        n, shape = row_bucket(rows), self.shape_of[id(layer)]
+        if self.started is None:
+            self.started = self.clock()
+        if n in self.learnt:
+            return self._compute(layer, x, self.forms.get(n, LINEAR), self.fallback[n])
+        self.seen[n].add(shape)
+        timed = self.ms[(n, shape)]
+        todo = [f for f in self.candidates[n] if not self._done(timed, f) and (shape, f) not in self.uncopied]
+        for form in sorted(todo, key=lambda f: len(timed[f])):
+            copy = self._copy(layer, form, shape, timing=True) if form in COPIES else None
+            if form in COPIES and copy is None:  # not made (yet): time another form
+                continue
+            if (n, shape, form) not in self.warm:  # the first product of a new shape builds oneDNN's kernel for it
+                self.warm.add((n, shape, form))
+                return form_linear(x, layer.weight, layer.bias, form, copy)
+            start = self.clock()
+            out = form_linear(x, layer.weight, layer.bias, form, copy)
+            timed[form].append(self.clock() - start)
+            if len(timed[form]) == SAMPLES:
+                self._settle(n)
+            return out
+        # every form timed for this shape (or none can be now): the fastest so far
+        best = min((f for f in timed if timed[f]), key=lambda f: min(timed[f]), default=LINEAR)
+        return self._compute(layer, x, best, LINEAR)
+
+    def _compute(self, layer: nn.Linear, x: torch.Tensor, form: str, without: str) -> torch.Tensor:
+        """`layer(x)` in `form`; one that needs a copy the layer lacks (and cannot get now) in `without`. Layers
+        that take one input compute from one stacked copy, as `linear_forms` computes them (made here, so that
+        the next call need not make them)."""
+        stacked = self._stacked(layer, form) if form in COPIES else None
+        if stacked is not None:
+            return stacked(layer, x, form)
+        copy = self._copy(layer, form, self.shape_of[id(layer)]) if form in COPIES else None
+        if form in COPIES and copy is None:
+            form = without
+        return form_linear(x, layer.weight, layer.bias, form, copy)
+
+    def _stacked(self, layer: nn.Linear, form: str) -> _Stacked | None:
+        """The product of `layer`'s group (`shared_input_groups`) from its stacked copy, made now where missing,
+        when the group's first layer computes and the copies made so far took at most COPY_ALLOWANCE of the time."""
+        group = self.group_of.get(id(layer))
+        if group is None or group[0] in self.copies.apart:
+            return None
+        if group[0] not in self.stacked_products:
+            entry = self.copies.get_fused(group, form)
+            if entry is None and layer is group[0] and self.copy_s <= COPY_ALLOWANCE * (self.clock() - self.started):
+                start = self.clock()
+                self.copies.prepare_fused([group], form)
+                self.copy_s += self.clock() - start
+                entry = self.copies.get_fused(group, form)
+            if entry is None:
+                return None
+            self.stacked_products[group[0]] = _Stacked(group, *entry, self.copies.apart)
+        return self.stacked_products[group[0]]
+
+    def _copy(self, layer: nn.Linear, form: str, shape: tuple, timing: bool = False) -> torch.Tensor | None:
+        """The layer's copy for `form`, made now if missing and the copies made so far took at most
+        COPY_ALLOWANCE of the time since the first product. Where one cannot be made (no room within the copies'
+        limit, or a weight the form cannot copy), the shape is not timed in that form. A layer a stacked copy
+        holds (`linear_forms`) gets one of its own only to be timed (`timing`), dropped once its row count settles."""
+        copy = self.copies.get(layer, form)
+        if copy is None and not timing and layer in self.copies.stacked:  # a stacked copy holds its weight
+            return None
+        if (copy is None and (shape, form) not in self.uncopied
+                and self.copy_s <= COPY_ALLOWANCE * (self.clock() - self.started)):
+            start = self.clock()
+            self.copies.prepare([layer], form)
+            self.copy_s += self.clock() - start
+            copy = self.copies.get(layer, form)
+            if copy is None:
+                self.uncopied.add((shape, form))
+            elif layer in self.copies.stacked:  # a second copy of its weight, for the timing alone
+                self.timing_copies.append(layer)
+        return copy
+
+    def _ms(self, n: int, shape: tuple, form: str) -> float:
+        """The least time of a product of `shape` at row count `n` in `form`: where the shape takes no copy
+        for it, in the form that computes without one (else F.linear)."""
+        timed = self.ms[(n, shape)]
+        for f in (form, WITHOUT_COPY.get(form, form), LINEAR):
+            if timed[f]:
+                return min(timed[f])
+        return float("inf")
+
+    @staticmethod
+    def _done(timed: dict[str, list[float]], form: str) -> bool:
+        """Whether `form` is timed enough for a shape: SAMPLES times, or once at NATIVE_BEHIND times the best
+        other form's time (ATen's kernel at tens of rows took 5-12x oneDNN's time: a second timing of it
+        would cost more than it could tell)."""
+        if len(timed[form]) >= SAMPLES:
+            return True
+        others = [min(ms) for f, ms in timed.items() if f != form and ms]
+        return bool(timed[form]) and bool(others) and min(timed[form]) >= NATIVE_BEHIND * min(others)
+
+    def _complete(self, n: int, shape: tuple) -> bool:
+        timed = self.ms[(n, shape)]
+        return all(self._done(timed, f) for f in self.candidates[n] if (shape, f) not in self.uncopied)
+
+    def _settle(self, n: int) -> None:
+        """Settle row count `n` once the shapes timed in every form at it hold COVERAGE of the weights' bytes
+        (a shape a forward seldom runs at `n`, as some of the heads' are, need not wait)."""
+        shapes = [s for s in self.seen[n] if self._complete(n, s)]
+        if sum(self.layers_of[s] * self.bytes_of[s] for s in shapes) < COVERAGE * self.total_bytes:
+            return
+        forms = self.candidates[n]
+        totals = {f: 1000 * sum(self.layers_of[s] * self._ms(n, s, f) for s in shapes) for f in forms}
+        without = min((f for f in forms if f not in COPIES), key=totals.get)
+        best = min(forms, key=totals.get)
+        if best in COPIES and totals[best] > COPY_GAIN * totals[without]:  # not worth the copies' memory
+            best = without
+        self.totals[n], self.fallback[n] = totals, without
+        for layer in self.timing_copies:
+            self.copies.discard(layer)
+        self.timing_copies.clear()
+        self.learnt.add(n)
+        self.pending.discard(n)
+        if totals[best] < (ONE_ROW_GAIN if n == 1 else MIN_GAIN) * totals[LINEAR]:
+            self.forms[n] = best
+        if NATIVE in totals and totals[NATIVE] >= NATIVE_BEHIND * totals[LINEAR]:  # further behind with more rows
+            for m in self.candidates:
+                if m > n and NATIVE in self.candidates[m] and m in self.pending:
+                    self.candidates[m].remove(NATIVE)
+        kept = self.copy_kind if self.copy_kind in self.forms.values() else None
+        if kept is not None:  # copies made for one row count serve every other they were timed faster at
+            for m, ms in self.totals.items():
+                if m > 1 and ms[kept] < ms[self.forms.get(m, LINEAR)]:
+                    self.forms[m] = kept

@@ -1,0 +1,195 @@
+"""Linear forms learnt from a call's own products: nothing timed apart, exact output, what settles and when."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import clover_hf.form_trials as form_trials
+from clover_hf import CloverForCausalLM, DraftBudget
+from clover_hf.budget import CostModel, load_costs
+from clover_hf.form_trials import COVERAGE, SAMPLES, FormTrials, row_bucket
+from clover_hf.linears import COPIES, LINEAR, NATIVE, PACK_ROWS, TRANSPOSED, WeightCopies, linear_forms
+
+from .tiny import prompt, same, tiny_model
+
+
+class FakeClock:
+    """A clock that moves only when a product is computed: by `ms(rows, form)` milliseconds."""
+
+    def __init__(self, ms) -> None:
+        self.now, self.ms = 0.0, ms
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fake_products(monkeypatch, clock: FakeClock) -> list[tuple[int, str]]:
+    """Products in the trials compute as usual, and advance `clock` by `clock.ms(rows, form)`; returns them."""
+    done = []
+    real = form_trials.form_linear
+
+    def product(x, weight, bias, form, copy=None):
+        rows = x.numel() // x.shape[-1]
+        done.append((rows, form))
+        clock.now += clock.ms(rows, form) / 1000
+        return real(x, weight, bias, form, copy)
+
+    monkeypatch.setattr(form_trials, "form_linear", product)
+    return done
+
+
+def forward_rows(model, rows: int) -> None:
+    """One forward of the model over `rows` tokens (a prefill)."""
+    with torch.no_grad():
+        model(prompt(length=rows))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_a_first_call_learns_the_forms_from_its_own_products_and_stays_exact(arch, monkeypatch, tmp_path):
+    """No stored forms: the call times no form apart (faster_forms is not run), its greedy output equals the base's
+    in float32 over several calls, and what the products taught is stored with the row counts still pending."""
+    from clover_hf import decoding
+
+    monkeypatch.setattr(decoding, "faster_forms", lambda *a, **k: pytest.fail("forms timed apart"))
+    base = tiny_model(arch)
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
+    budget = DraftBudget(cache_dir=tmp_path)
+    for seed in range(3):
+        ids = prompt(seed, length=5 + seed)
+        ref = base.generate(ids, max_new_tokens=24, do_sample=False)
+        assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=budget), ref)
+    (key, stored), = ((k, c) for k, c in load_costs_all(tmp_path).items())
+    assert stored.forms is not None  # learnt (possibly F.linear throughout: then empty)
+    trials = budget._trials.get(key)
+    assert trials is None or stored.pending == sorted(trials.pending)  # pending row counts are kept for later calls
+    assert stored.ms  # the verify costs the calls timed stay
+
+
+def load_costs_all(cache_dir) -> dict[str, CostModel]:
+    import json
+
+    from clover_hf.budget import COSTS_FILE
+
+    data = json.loads((cache_dir / COSTS_FILE).read_text())
+    return {k: load_costs(k, cache_dir) for k in data}
+
+
+def test_a_row_count_settles_on_the_form_its_products_took_least_time_in(monkeypatch):
+    """With W @ x.T timed at half F.linear's time, every row count a forward runs at settles on it once each
+    shape has SAMPLES timings of each form (the first product of a shape in a form is not timed)."""
+    model = tiny_model("llama")
+    clock = FakeClock(lambda rows, form: {LINEAR: 1.0, TRANSPOSED: 0.5}.get(form, 2.0) * rows)
+    done = fake_products(monkeypatch, clock)
+    trials = FormTrials([model], WeightCopies(), clock=clock)
+    with linear_forms([model], {}, None, trials):
+        for _ in range(2 * (SAMPLES + 1)):  # the output embedding runs once a forward
+            forward_rows(model, 1)
+            forward_rows(model, 5)
+    assert {1, 4} <= set(trials.totals) and not {1, 4} & trials.pending
+    assert trials.forms.get(4) == TRANSPOSED
+    assert all(rows in (1, 5) for rows, _ in done)
+    # one row takes W @ x.T only where the weights are float32 (a half one would be ATen's slow product)
+    assert trials.forms.get(1) == TRANSPOSED
+    for rows in (1, 5):  # settled: no more trials, each product in the settled form
+        done.clear()
+        with linear_forms([model], {}, None, trials):
+            forward_rows(model, rows)
+        assert {form for _, form in done} == {TRANSPOSED}
+
+
+def test_a_row_count_stays_pending_until_the_shapes_timed_hold_most_of_the_bytes(monkeypatch):
+    """Products of a small layer alone (some of the heads' at odd row counts) do not settle a row count for the
+    base's large ones: it waits until the shapes timed there cover COVERAGE of the weights' bytes."""
+    model = tiny_model("llama")
+    small = torch.nn.Linear(8, 8)
+    clock = FakeClock(lambda rows, form: 1.0 if form == LINEAR else 0.5)
+    fake_products(monkeypatch, clock)
+    trials = FormTrials([model, torch.nn.Sequential(small)], WeightCopies(), clock=clock)
+    assert small.weight.nbytes < (1 - COVERAGE) * trials.total_bytes
+    with linear_forms([model, torch.nn.Sequential(small)], {}, None, trials), torch.no_grad():
+        for _ in range(4 * SAMPLES * len(trials.candidates[2])):
+            small(torch.randn(2, 8))
+    assert 2 in trials.pending and 2 not in trials.forms
+    with linear_forms([model, torch.nn.Sequential(small)], {}, None, trials):
+        for _ in range(2 * (SAMPLES + 1)):
+            forward_rows(model, 2)
+    assert 2 not in trials.pending
+
+
+def test_a_form_far_behind_is_timed_once_and_atens_kernel_only_at_few_rows(monkeypatch):
+    """A form whose one timing takes NATIVE_BEHIND times the best other's is not timed again for that shape;
+    ATen's kernel is not tried past PACK_ROWS rows (5-12x oneDNN's time there)."""
+    model = tiny_model("llama")
+    clock = FakeClock(lambda rows, form: {LINEAR: 1.0, TRANSPOSED: 10.0}.get(form, 1.0))
+    done = fake_products(monkeypatch, clock)
+    trials = FormTrials([model], WeightCopies(), clock=clock)
+    with linear_forms([model], {}, None, trials):
+        for _ in range(4):
+            forward_rows(model, 3)
+    shapes = len(set(trials.shape_of.values()) - {s for s in trials.shape_of.values() if s[1]})
+    slow = sum(form == TRANSPOSED for rows, form in done if rows == 3)
+    assert slow <= 2 * (shapes + 1)  # per shape: one untimed first product, one timed
+    assert trials.forms.get(2) != TRANSPOSED
+    assert all(NATIVE not in trials.candidates[n] for n in trials.candidates if n > PACK_ROWS)
+
+
+def test_copies_are_made_one_layer_at_a_time_within_their_share_of_the_time(monkeypatch):
+    """A copy form is timed from copies made as products need them, while their making took at most
+    COPY_ALLOWANCE of the time since the first product; where none may be made yet, other forms are timed."""
+    from clover_hf.linears import onednn_packs
+
+    if not onednn_packs():
+        pytest.skip("this torch build has no oneDNN: no blocked copies")  # every x86 CPU wheel has it
+    model = tiny_model("llama")
+    clock = FakeClock(lambda rows, form: 0.2 if form in COPIES else 1.0)
+    fake_products(monkeypatch, clock)
+    copies = WeightCopies(limit=10**9)
+    made = []
+    real = copies.prepare
+
+    def prepare(layers, form):
+        made.append(len(list(layers)))
+        clock.now += 0.005  # 5 ms a copy
+        real(layers, form)
+
+    monkeypatch.setattr(copies, "prepare", prepare)
+    trials = FormTrials([model], copies, clock=clock)
+    assert trials.copy_kind in COPIES
+    with linear_forms([model], {}, copies, trials):
+        for _ in range(40):
+            forward_rows(model, 4)
+    assert made and set(made) == {1}  # one layer at a time
+    assert trials.copy_s <= form_trials.COPY_ALLOWANCE * (clock.now - trials.started) + 0.005
+    assert trials.forms.get(4) == trials.copy_kind  # timed at 0.2x F.linear: chosen
+
+
+def test_stored_forms_and_pending_row_counts_survive_the_cache_file(tmp_path):
+    from clover_hf.budget import save_costs
+
+    save_costs("m", CostModel({1: {1: 5.0}}, forms={1: "native", 4: "packed"}, pending=[32, 64]), tmp_path)
+    loaded = load_costs("m", tmp_path)
+    assert loaded.forms == {1: "native", 4: "packed"} and loaded.pending == [32, 64] and loaded.ms == {1: {1: 5.0}}
+
+
+def test_forms_learnt_keep_the_verify_costs_and_end_once_verify_row_counts_settle(tmp_path):
+    """Trials settle only on forms faster than the costs were timed under: the costs stay. Once every row
+    count up to PACK_ROWS settled, the trials end and nothing is pending."""
+    model = tiny_model("llama")
+    budget = DraftBudget(cache_dir=tmp_path)
+    trials = budget.form_trials("m", None, [model])
+    assert trials is not None and budget.form_trials("m", False, [model]) is None  # calibrate=False: never
+    budget.stored("m").ms = {1: {1: 9.0, 4: 12.0}}
+    trials.pending -= {1, 2, 4}
+    trials.forms[4] = TRANSPOSED
+    budget.keep_learnt("m", trials)
+    stored = budget.stored("m")
+    assert stored.forms == {4: TRANSPOSED} and stored.ms == {1: {1: 9.0, 4: 12.0}} and 8 in stored.pending
+    assert budget.form_trials("m", None, [model]) is trials  # the same trials go on in the next call
+    trials.pending -= {n for n in range(PACK_ROWS + 1)}
+    budget.keep_learnt("m", trials)
+    assert budget.stored("m").pending is None and budget.form_trials("m", None, [model]) is None
+
+
+def test_a_row_count_is_the_power_of_two_at_or_below_it():
+    assert [row_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 300)] == [1, 1, 2, 2, 4, 4, 8, 256]
