@@ -133,7 +133,7 @@ class FormTrials:
             start = self.clock()
             out = form_linear(x, layer.weight, layer.bias, form, copy)
             timed[form].append(self.clock() - start)
-            if len(timed[form]) == SAMPLES:
+            if self._done(timed, form):  # the shape may be complete now, and with it the row count
                 self._settle(n)
             return out
         # every form timed for this shape (or none can be now): the fastest so far
