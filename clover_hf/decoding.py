@@ -313,7 +313,10 @@ def _plan(model: PreTrainedModel, heads: DraftHeads, batch: int, generation_conf
     if int8 is None:  # by default only where it was measured to pay: the CPU in bf16
         int8 = device.type == "cpu" and model.dtype == torch.bfloat16
     machine = None if budget is None else f"{cost_key(model, device)}|{budget.key_suffix()}"
-    trials = None if machine is None or compiled else budget.form_trials(machine, calibrate, [model, heads])
+    # a batch's rows multiply at 4 rows and more, where trying slow forms inside its forwards cost more than timing
+    # them apart (batch 4's first call on the AVX-512-bf16 EPYC: 0.91x plain against 1.18x): batches time them
+    learn = machine is not None and not compiled and batch == 1
+    trials = budget.form_trials(machine, calibrate, [model, heads]) if learn else None
     if trials is not None:  # none stored: learnt from the call's own products
         forms = trials.forms
     else:
