@@ -509,7 +509,7 @@ class DraftBudget:
         costs = self.stored(key)
         if costs.forms is not None and not costs.pending:
             return None
-        if not any(p.device.type == "cpu" for p in models[0].parameters()):
+        if next(models[0].parameters()).device.type != "cpu":
             return None
         trials = self._trials.get(key)
         if trials is None or not trials.serves(models):

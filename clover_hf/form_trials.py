@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from .linears import (COPIES, COPY_GAIN, LINEAR, MAX_ROWS, MIN_GAIN, NATIVE, NATIVE_BEHIND, ONE_ROW_GAIN, PACK_ROWS,
-                      PACKED, TRANSPOSED, WITHOUT_COPY, WeightCopies, _candidates, _linears, _Stacked,
-                      copy_forms_for, float16_exact, form_linear, shared_input_groups)
+                      WITHOUT_COPY, WeightCopies, _candidates, _linears, _Stacked, copy_forms_for, float16_exact,
+                      form_linear, one_row_forms, shape_keys, shared_input_groups)
 
 SAMPLES = 3  # timings of each form per weight shape before a row count settles (the least counts: oneDNN's first
 # product of a new row count builds its kernel)
@@ -53,8 +53,7 @@ class FormTrials:
                  pending: set[int] | None = None, clock=time.perf_counter) -> None:
         self.copies, self.clock = copies, clock
         layers = list({id(m): m for model in models for m in _linears(model)}.values())
-        vocab = {id(m.get_output_embeddings()) for m in models if hasattr(m, "get_output_embeddings")}
-        self.shape_of = {id(m): (tuple(m.weight.shape), id(m) in vocab) for m in layers}
+        self.shape_of = shape_keys(models)
         self._layers = weakref.WeakSet(layers)
         self.layers_of = Counter(self.shape_of.values())  # products of each shape in a forward of all layers
         first = {}
@@ -72,7 +71,7 @@ class FormTrials:
         # one kind of copy at most, so that trials make copies of one kind only
         candidates = [f for f in candidates if f not in copying or f == copying[0]]
         self.copy_kind = copying[0] if copying else None
-        one_row = [f for f in candidates if f in (NATIVE, PACKED) or (f == TRANSPOSED and not half)]
+        one_row = one_row_forms(candidates, half)
         # ATen's kernel (where oneDNN serves the dtype) only where it can win: at a few rows (on the AVX-512-bf16
         # EPYC it took 5-12x oneDNN's time at 16-64 rows; `faster_forms` stops timing it once it falls behind)
         self.candidates = {n: [LINEAR, *(one_row if n == 1 else [f for f in candidates if f != NATIVE or n <= PACK_ROWS])]
@@ -160,10 +159,8 @@ class FormTrials:
             return None
         if group[0] not in self.stacked_products:
             entry = self.copies.get_fused(group, form)
-            if entry is None and layer is group[0] and self.copy_s <= COPY_ALLOWANCE * (self.clock() - self.started):
-                start = self.clock()
-                self.copies.prepare_fused([group], form)
-                self.copy_s += self.clock() - start
+            if entry is None and layer is group[0] and self._may_copy():
+                self._making(self.copies.prepare_fused, [group], form)
                 entry = self.copies.get_fused(group, form)
             if entry is None:
                 return None
@@ -178,17 +175,24 @@ class FormTrials:
         copy = self.copies.get(layer, form)
         if copy is None and not timing and layer in self.copies.stacked:  # a stacked copy holds its weight
             return None
-        if (copy is None and (shape, form) not in self.uncopied
-                and self.copy_s <= COPY_ALLOWANCE * (self.clock() - self.started)):
-            start = self.clock()
-            self.copies.prepare([layer], form)
-            self.copy_s += self.clock() - start
+        if copy is None and (shape, form) not in self.uncopied and self._may_copy():
+            self._making(self.copies.prepare, [layer], form)
             copy = self.copies.get(layer, form)
             if copy is None:
                 self.uncopied.add((shape, form))
             elif layer in self.copies.stacked:  # a second copy of its weight, for the timing alone
                 self.timing_copies.append(layer)
         return copy
+
+    def _may_copy(self) -> bool:
+        """Whether the copies made so far took at most COPY_ALLOWANCE of the time since the first product."""
+        return self.copy_s <= COPY_ALLOWANCE * (self.clock() - self.started)
+
+    def _making(self, make, layers: list, form: str) -> None:
+        """`make(layers, form)` (a `WeightCopies.prepare*`), its time counted against the allowance."""
+        start = self.clock()
+        make(layers, form)
+        self.copy_s += self.clock() - start
 
     def _ms(self, n: int, shape: tuple, form: str) -> float:
         """The least time of a product of `shape` at row count `n` in `form`: where the shape takes no copy

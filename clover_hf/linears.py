@@ -438,6 +438,20 @@ def _units(models: list[nn.Module], apart: Iterable[nn.Module] = ()) -> list[tup
     return [first.get(id(m), (m,)) for m in layers if id(m) not in grouped or id(m) in first]
 
 
+def shape_keys(models: Iterable[nn.Module]) -> dict[int, tuple[tuple[int, ...], bool]]:
+    """Each plain linear layer's (by id) weight shape, and whether it is a model's output embedding (timed
+    apart: it runs once a forward, on the last rows only in a prefill)."""
+    models = list(models)
+    vocab = {id(m.get_output_embeddings()) for m in models if hasattr(m, "get_output_embeddings")}
+    return {id(m): (tuple(m.weight.shape), id(m) in vocab) for model in models for m in _linears(model)}
+
+
+def one_row_forms(candidates: list[str], half: bool) -> list[str]:
+    """The candidates one row tries: a float32 copy reads more than it saves, and W @ x.T in half precision
+    is ATen's slow product."""
+    return [form for form in candidates if form in (NATIVE, PACKED) or (form == TRANSPOSED and not half)]
+
+
 @torch.no_grad()
 def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0, copies: WeightCopies | None = None
                  ) -> dict[int, str]:
@@ -458,12 +472,12 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0
     the native form takes NATIVE_BEHIND times it, larger counts skip it (ATen's kernel falls further
     behind oneDNN's with more rows). CPU only: elsewhere, none."""
     models = list(models)
-    vocab = {id(m.get_output_embeddings()) for m in models if hasattr(m, "get_output_embeddings")}
+    keys = shape_keys(models)
     shapes = Counter()
     weights = {}
     for model in models:
         for m in _linears(model):
-            key, rows = (tuple(m.weight.shape), id(m) in vocab), m.weight.shape[0]
+            key, rows = keys[id(m)], m.weight.shape[0]
             # a vocabulary-sized weight is timed on a slice of its rows: the time scales with them
             shapes[key] += rows / min(rows, SLICE_ROWS)
             weights.setdefault(key, m.weight[:SLICE_ROWS])
@@ -480,8 +494,8 @@ def faster_forms(models: Iterable[nn.Module], reps: int = 3, copy_limit: int = 0
                     for key, w in weights.items() for form in copying}
     chosen, timings, settled_at, n = {}, {}, {}, 1
     while n <= MAX_ROWS:
-        if n == 1:  # a float32 copy reads more than it saves, W @ x.T in half precision is ATen's slow product
-            tried = [form for form in candidates if form in (NATIVE, PACKED) or (form == TRANSPOSED and not half)]
+        if n == 1:
+            tried = one_row_forms(candidates, half)
         else:
             tried = candidates
         if not tried:
