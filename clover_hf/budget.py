@@ -26,7 +26,7 @@ import tempfile
 from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -143,6 +143,14 @@ class CostModel:
         learns its costs from its own steps)."""
         self.ms.setdefault(rows, {})[width] = ms
         self._timed(rows, width, ms)
+
+    def doubt(self, timed: Iterable[tuple[int, int]]) -> None:
+        """Doubt the costs of these (rows, width) most, as if untimed for long: they are priced lower and so
+        soon timed again, that timing then replacing them (see `observe`)."""
+        for rows, width in timed:
+            if width in self.ms.get(rows, {}):
+                self.timed_at.setdefault(rows, {})[self._bucket(width)] = (
+                    self.timed_ms - STALE_COST * self.predict(rows, width))
 
     def _timed(self, rows: int, width: int, ms: float) -> None:
         self.timed_ms += ms

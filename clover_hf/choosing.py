@@ -32,6 +32,7 @@ class StepBudget:
         self.buckets: list[list[int]] = []  # each row's acceptance bucket per node of this step's cut draft
         self.explore = list(explore or [])  # widths whose cost the next steps learn, one a step, narrowest first
         self.exploring = False  # whether this step verifies a width to learn its cost
+        self.provisional: set[tuple[int, int]] = set()  # (rows, width) timed while the forms were being learnt
 
     @classmethod
     def start(cls, budget: DraftBudget | None, key: str | None, calibrate: bool | None, model: PreTrainedModel,
@@ -87,10 +88,13 @@ class StepBudget:
         """Learn which of the row's verified nodes were accepted."""
         self.acceptance.observe(self.buckets[row], draft.host[1], nodes.tolist())
 
-    def verified(self, rows: int, width: int, started: float, settled: bool = True) -> None:
+    def verified(self, rows: int, width: int, started: float, settled: bool = True, provisional: bool = False
+                 ) -> None:
         """Refine the costs with this step's time since `started` (before the verify forward) for `rows` x `width`
         tokens; a step that was not `settled` (its forward compiled) teaches nothing, and what it explored
-        is explored again."""
+        is explored again. A `provisional` step (its forward still learning the linear forms, or missing
+        weight copies they compute from) is timed as it ran, but once a step runs in settled forms, the
+        widths timed provisionally are doubted (`CostModel.doubt`) and soon timed again."""
         if not settled:
             return
         if self.exploring and self.explore:
@@ -101,10 +105,16 @@ class StepBudget:
             if self.exploring and width not in timed:
                 self.costs.record(rows, width, ms)
                 one = self.costs.ms[rows].get(1)
-                if one is not None and ms > EXPLORE_LIMIT * one:  # wider ones cost more still: no use timing them
+                # wider ones cost more still: no use timing them (unless this one's forms were still being learnt)
+                if one is not None and ms > EXPLORE_LIMIT * one and not provisional:
                     self.explore.clear()
             else:
                 self.costs.observe(rows, width, ms)
+            if provisional:
+                self.provisional.add((rows, width))
+            elif self.provisional:
+                self.costs.doubt(self.provisional)
+                self.provisional.clear()
 
     def save(self) -> None:
         self.budget.save(self.key)

@@ -229,7 +229,7 @@ def clover_generate(
             drafts, chains = _draft(batch.active, plan, budget, stats, clock)
             room = batch.room()
             drafts = _fit(drafts, room)
-            started = time.perf_counter()
+            started, unsettled = time.perf_counter(), 0 if plan.trials is None else plan.trials.unsettled
             width = verify.width(max(d.tokens.shape[0] for d in drafts), room)
             ids, node_pos, allowed = stack_trees(drafts, batch.active, width)
             mask = batch.attention(node_pos, allowed, model.dtype)
@@ -241,8 +241,10 @@ def clover_generate(
             news, kept = _emit_rows(batch.active, drafts, chains, accepted, logits, plan.lookup, plan.lookup_max)
             batch.keep(kept, node_pos)
             clock.lap("emit + compact")
-            if budget is not None:  # a step that compiled its forward is not `settled`: no cost to learn
-                budget.verified(len(batch.active), ids.shape[1], started, verify.settled)
+            if budget is not None:  # a step that compiled its forward is not `settled`: no cost to learn; one
+                # that learnt linear forms (or lacked the copies they compute from) costs more than it will
+                provisional = plan.trials is not None and plan.trials.unsettled != unsettled
+                budget.verified(len(batch.active), ids.shape[1], started, verify.settled, provisional)
             _feed_heads(batch.active, accepted, news, hidden, node_pos, plan.embed)
             batch.drop_finished()
 

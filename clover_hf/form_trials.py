@@ -89,6 +89,9 @@ class FormTrials:
         self.group_of = {id(m): group for group in shared_input_groups(models) for m in group}
         self.stacked_products: dict[nn.Linear, _Stacked] = {}  # by a group's first layer, in this call
         self.copy_s = 0.0  # seconds spent making copies
+        # products computed otherwise than a settled step computes them (timed or untimed trials, a copy made,
+        # a copy missing): a step that ran any is no measure of what a step costs
+        self.unsettled = 0
         self.started: float | None = None  # when the first product was computed here
 
     def serves(self, models: list[nn.Module]) -> bool:
@@ -126,6 +129,7 @@ class FormTrials:
             copy = self._copy(layer, form, shape, timing=True) if form in COPIES else None
             if form in COPIES and copy is None:  # not made (yet): time another form
                 continue
+            self.unsettled += 1
             if (n, shape, form) not in self.warm:  # the first product of a new shape builds oneDNN's kernel for it
                 self.warm.add((n, shape, form))
                 return form_linear(x, layer.weight, layer.bias, form, copy)
@@ -149,6 +153,7 @@ class FormTrials:
         copy = self._copy(layer, form, self.shape_of[id(layer)]) if form in COPIES else None
         if form in COPIES and copy is None:
             form = without
+            self.unsettled += 1
         return form_linear(x, layer.weight, layer.bias, form, copy)
 
     def _stacked(self, layer: nn.Linear, form: str) -> _Stacked | None:
@@ -193,6 +198,7 @@ class FormTrials:
         start = self.clock()
         make(layers, form)
         self.copy_s += self.clock() - start
+        self.unsettled += 1
 
     def _ms(self, n: int, shape: tuple, form: str) -> float:
         """The least time of a product of `shape` at row count `n` in `form`: where the shape takes no copy

@@ -429,6 +429,31 @@ def test_first_steps_stop_learning_wider_widths_once_one_costs_three_one_token_s
     assert step.costs.ms[1][4] >= 10.0 * EXPLORE_LIMIT
 
 
+def test_widths_timed_while_the_forms_were_learnt_are_doubted_once_a_step_runs_in_settled_forms():
+    """A provisional step (its forward still learning the linear forms) is timed as it ran, and does not stop the
+    exploring of wider widths; the first settled step after it doubts those costs most, so that they are
+    priced lower, timed again soon, and that timing replaces them."""
+    import time
+
+    from clover_hf.budget import MAX_DOUBT, AcceptanceModel
+    from clover_hf.choosing import EXPLORE_LIMIT, StepBudget
+
+    budget = DraftBudget(cache_dir="unused")
+    step = StepBudget(budget, "k", CostModel(), AcceptanceModel(3, 4), depth=3, lookup_max=4, explore=[1, 4, 8])
+    for width, ms, provisional in ((1, 10.0, False), (4, 10.0 * EXPLORE_LIMIT + 5.0, True)):
+        step.exploring = True
+        step.verified(1, width, time.perf_counter() - ms / 1000, provisional=provisional)
+    costs = step.costs
+    assert step.explore == [8]  # a dear width timed provisionally does not rule out wider ones
+    assert costs.staleness(1, 4) < 1.0
+    step.exploring = False
+    step.verified(1, 1, time.perf_counter() - 0.010)  # settled
+    assert costs.staleness(1, 4) == 1.0 and costs.staleness(1, 1) < 1.0
+    assert costs.price(1, 4) == pytest.approx((1 - MAX_DOUBT) * costs.predict(1, 4))
+    costs.observe(1, 4, 12.0)  # timed again: the doubted cost is replaced, not averaged with
+    assert costs.ms[1][4] == pytest.approx(12.0) and not step.provisional
+
+
 def test_full_budget_verifies_the_whole_tree_in_the_forms_auto_uses():
     """budget="full": no cut, but the linear forms and weight copies of the model's budget (not F.linear)."""
     base = tiny_model("llama")
