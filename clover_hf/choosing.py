@@ -33,6 +33,7 @@ class StepBudget:
         self.explore = list(explore or [])  # widths whose cost the next steps learn, one a step, narrowest first
         self.exploring = False  # whether this step verifies a width to learn its cost
         self.provisional: set[tuple[int, int]] = set()  # (rows, width) timed while the forms were being learnt
+        self.cap: int | None = None  # verify at most this many tokens per row this step (set by the decode loop)
 
     @classmethod
     def start(cls, budget: DraftBudget | None, key: str | None, calibrate: bool | None, model: PreTrainedModel,
@@ -60,7 +61,7 @@ class StepBudget:
         """Whether the heads draft this step (else the lookup chain alone is verified; never when one token
         is; always while learning the costs of wider steps, which need their drafts)."""
         wider = any(w > 1 for w in self.explore)
-        return self.budget.widest != 1 and (wider or self.budget.gate.drafting())
+        return self.budget.widest != 1 and self.cap != 1 and (wider or self.budget.gate.drafting())
 
     def shallower(self, spec: list[list[int]] | DynamicTree, trees: list[TreeBuffers] | None):
         """The tree spec and static trees cut to the depth the heads' drafts have been used to lately."""
@@ -78,10 +79,11 @@ class StepBudget:
                 draft.on_host()
             drafting_s = time.perf_counter() - started - augment_s
             draft_ms = (1000 * drafting_s, 1000 * augment_s / max(augmented, 1))
-        self.exploring = bool(self.explore)
-        width = self.explore[0] if self.explore else None  # taken off once its step is timed
+        self.exploring = bool(self.explore) and (self.cap is None or self.explore[0] <= self.cap)
+        width = self.explore[0] if self.exploring else None  # taken off once its step is timed
+        most = self.budget.widest if self.cap is None else min(self.budget.widest or self.cap, self.cap)
         drafts, self.buckets = choose_nodes(drafts, self.acceptance, self.costs, self.budget.gate, draft_ms,
-                                            explore=self.budget.fixed is None, most=self.budget.widest, width=width)
+                                            explore=self.budget.fixed is None, most=most, width=width)
         return drafts
 
     def accepted(self, row: int, draft: Draft, nodes: torch.Tensor) -> None:
@@ -93,8 +95,8 @@ class StepBudget:
         """Refine the costs with this step's time since `started` (before the verify forward) for `rows` x `width`
         tokens; a step that was not `settled` (its forward compiled) teaches nothing, and what it explored
         is explored again. A `provisional` step (its forward still learning the linear forms, or missing
-        weight copies they compute from) is timed as it ran, but once a step runs in settled forms, the
-        widths timed provisionally are doubted (`CostModel.doubt`) and soon timed again."""
+        weight copies they compute from) is timed as it ran, but once a step of as many rows or more runs in
+        settled forms, the widths timed provisionally are doubted (`CostModel.doubt`) and soon timed again."""
         if not settled:
             return
         if self.exploring and self.explore:
@@ -112,9 +114,15 @@ class StepBudget:
                 self.costs.observe(rows, width, ms)
             if provisional:
                 self.provisional.add((rows, width))
-            elif self.provisional:
-                self.costs.doubt(self.provisional)
-                self.provisional.clear()
+            elif self.provisional:  # this step's products ran settled, and so do those of fewer rows
+                doubted = {(r, w) for r, w in self.provisional if r * w <= rows * width}
+                self.costs.doubt(doubted)
+                self.provisional -= doubted
+
+    def forms_ready(self) -> None:
+        """The linear forms have settled and their weight copies are made: doubt every width timed before."""
+        self.costs.doubt(self.provisional)
+        self.provisional.clear()
 
     def save(self) -> None:
         self.budget.save(self.key)

@@ -9,10 +9,13 @@ the same product). The first product of a shape in a form is not timed (oneDNN b
 then); a form timed once at NATIVE_BEHIND times another's is not timed again for that shape. Once the
 shapes timed `SAMPLES` times in every form hold `COVERAGE` of the weights' bytes, the row count
 settles on the form with the least total time over the layers, by `faster_forms`' gain rules.
-Weight copies are made one layer (or one stacked group) at a time as products first need them,
-within `COPY_ALLOWANCE` of the time since the first product. The forms settled are kept, with the row
-counts still pending, after each call; once every row count of a verify forward (up to PACK_ROWS)
-settled, the forms are final. CPU only, as the forms are.
+
+One row comes first: a call's first `WIDER_AFTER` seconds verify one token a step (in the one-row
+form, once learnt, already faster than plain decoding) and compute a prefill in F.linear. Only a call
+that runs longer learns the wider forms, and makes the weight copies they compute from: one layer (or
+one stacked group) at a time, as products run, within `COPY_ALLOWANCE` of the call's time. The forms
+settled are kept after each call, with the row counts still pending; once every row count of a verify
+forward (up to PACK_ROWS) settled, the forms are final. CPU only, as the forms are.
 """
 
 from __future__ import annotations
@@ -25,16 +28,16 @@ import torch
 from torch import nn
 
 from .linears import (COPIES, COPY_GAIN, LINEAR, MAX_ROWS, MIN_GAIN, NATIVE, NATIVE_BEHIND, ONE_ROW_GAIN, PACK_ROWS,
-                      WITHOUT_COPY, WeightCopies, _candidates, _linears, _Stacked, copy_forms_for, float16_exact,
+                      WITHOUT_COPY, WeightCopies, _candidates, _linears, _Stacked, _units, copy_forms_for, float16_exact,
                       form_linear, one_row_forms, shape_keys, shared_input_groups)
 
 SAMPLES = 3  # timings of each form per weight shape before a row count settles (the least counts: oneDNN's first
 # product of a new row count builds its kernel)
 COVERAGE = 0.75  # a row count settles once the shapes timed at it hold this share of the weights' bytes (SmolLM2:
 # its decoder layers' shapes hold 79%, its output embedding 21%)
-COPY_ALLOWANCE = 0.1  # weight copies are made while their making took at most this share of the time since the
-# trials' first product
+COPY_ALLOWANCE = 0.5  # weight copies are made while their making took at most this share of the call's time
 ROW_COUNTS = tuple(1 << k for k in range(MAX_ROWS.bit_length()))  # 1, 2, 4, ... MAX_ROWS
+WIDER_AFTER = 0.5  # seconds of a call before its steps verify more than one token (see `one_token_steps`)
 
 
 def row_bucket(rows: int) -> int:
@@ -72,9 +75,10 @@ class FormTrials:
         candidates = [f for f in candidates if f not in copying or f == copying[0]]
         self.copy_kind = copying[0] if copying else None
         one_row = one_row_forms(candidates, half)
-        # ATen's kernel (where oneDNN serves the dtype) only where it can win: at a few rows (on the AVX-512-bf16
-        # EPYC it took 5-12x oneDNN's time at 16-64 rows; `faster_forms` stops timing it once it falls behind)
-        self.candidates = {n: [LINEAR, *(one_row if n == 1 else [f for f in candidates if f != NATIVE or n <= PACK_ROWS])]
+        # ATen's kernel (where oneDNN serves the dtype) at one row only: on the AVX-512-bf16 EPYC its products at
+        # 2 rows were timed as fast as the blocked layout's inside forwards, yet whole forwards of 2 and 3 tokens
+        # took 19.8 and 25.5 ms with it against 16.7 and 17.8 (at 16-64 rows it took 5-12x oneDNN's time)
+        self.candidates = {n: [LINEAR, *(one_row if n == 1 else [f for f in candidates if f != NATIVE])]
                            for n in ROW_COUNTS}
         self.forms: dict[int, str] = dict(known or {})
         self.pending = set(ROW_COUNTS if pending is None else pending)
@@ -87,12 +91,14 @@ class FormTrials:
         self.timing_copies: list[nn.Linear] = []  # layers given a copy only to be timed (see `_copy`)
         self.warm: set[tuple] = set()  # (row count, shape, form) computed once already (the first is not timed)
         self.group_of = {id(m): group for group in shared_input_groups(models) for m in group}
+        self.units = _units(models)  # products as `linear_forms` computes them: a group stacked, else a layer
+        self._copied = False  # every unit has the copy the forms compute from (or cannot have one)
         self.stacked_products: dict[nn.Linear, _Stacked] = {}  # by a group's first layer, in this call
-        self.copy_s = 0.0  # seconds spent making copies
+        self.copy_s = 0.0  # seconds spent making copies in this call
         # products computed otherwise than a settled step computes them (timed or untimed trials, a copy made,
         # a copy missing): a step that ran any is no measure of what a step costs
         self.unsettled = 0
-        self.started: float | None = None  # when the first product was computed here
+        self.started = self.clock()  # when the current call began (`next_call`)
 
     def serves(self, models: list[nn.Module]) -> bool:
         """Whether these trials were made for the linear layers of `models`."""
@@ -104,22 +110,46 @@ class FormTrials:
         stacked copies where the form has them); these trials compute the pending ones."""
         self.learnt.clear()
         self.stacked_products = {}
+        self.started, self.copy_s = self.clock(), 0.0
 
     def handles(self, rows: int) -> bool:
-        """Whether these trials compute products of `rows` rows (pending, or settled by them in this call)."""
+        """Whether these trials compute products of `rows` rows (pending, or settled by them in this call); a
+        prefill's row counts not in a call's first WIDER_AFTER seconds (they compute in F.linear, as plain's)."""
         n = row_bucket(rows)
+        if n > PACK_ROWS and n in self.pending and self._young():
+            return False
         return n in self.pending or n in self.learnt
+
+    def one_token_steps(self) -> bool:
+        """Whether steps should verify one token for now: the forms of wider verify forwards are still to be
+        learnt, and the call began less than WIDER_AFTER seconds ago. Learning them costs wide steps in forms
+        still being timed and the weight copies (0.2-0.4 s for SmolLM2 on the AVX-512-bf16 EPYC), which a short
+        answer never earns back; one-token steps in the form learnt for one row already beat plain decoding
+        (1.5x there). A call that runs longer learns them then."""
+        return self._young() and any(n in self.pending for n in ROW_COUNTS if 1 < n <= PACK_ROWS)
 
     def finished(self) -> bool:
         """Whether the forms are final: every row count up to PACK_ROWS (verify forwards) settled. Row counts
         above, where still pending, compute in F.linear."""
         return not any(n in self.pending for n in ROW_COUNTS if n <= PACK_ROWS)
 
+    def copied(self) -> bool:
+        """Whether every layer (or stacked group) has the copy its settled forms compute from, or cannot have
+        one: products then run as fast as these forms allow."""
+        kind = self.copy_kind
+        if not self._copied and kind in self.forms.values():
+            self._copied = all(
+                len(unit) > 1 and self.copies.get_fused(unit, kind) is not None
+                or all(self.copies.get(m, kind) is not None or (self.shape_of[id(m)], kind) in self.uncopied
+                       for m in unit)
+                for unit in self.units)
+        return self._copied or kind not in self.forms.values()
+
     def product(self, layer: nn.Linear, x: torch.Tensor, rows: int) -> torch.Tensor:
         """`layer(x)` for `rows` rows: in the settled form, or in the next form to time (timed)."""
         n, shape = row_bucket(rows), self.shape_of[id(layer)]
-        if self.started is None:
-            self.started = self.clock()
+        if not self._copied and self.copy_kind in self.forms.values():
+            self._provide(layer, shape)
         if n in self.learnt:
             return self._compute(layer, x, self.forms.get(n, LINEAR), self.fallback[n])
         self.seen[n].add(shape)
@@ -156,6 +186,19 @@ class FormTrials:
             self.unsettled += 1
         return form_linear(x, layer.weight, layer.bias, form, copy)
 
+    def _provide(self, layer: nn.Linear, shape: tuple) -> None:
+        """Make the copy `layer` (its group's stacked one, made as the group's first layer computes) will compute
+        from where the forms settled on copies, whatever form this product takes, within the allowance: else
+        only wide steps would make them, and the budget, seeing them dear without, might never choose one."""
+        kind, group = self.copy_kind, self.group_of.get(id(layer))
+        if group is not None and group[0] not in self.copies.apart:
+            if layer is group[0] and self.copies.get_fused(group, kind) is None and self._may_copy():
+                self._making(self.copies.prepare_fused, [group], kind)
+        elif (self.copies.get(layer, kind) is None and (shape, kind) not in self.uncopied and self._may_copy()):
+            self._making(self.copies.prepare, [layer], kind)
+            if self.copies.get(layer, kind) is None:
+                self.uncopied.add((shape, kind))
+
     def _stacked(self, layer: nn.Linear, form: str) -> _Stacked | None:
         """The product of `layer`'s group (`shared_input_groups`) from its stacked copy, made now where missing,
         when the group's first layer computes and the copies made so far took at most COPY_ALLOWANCE of the time."""
@@ -174,13 +217,13 @@ class FormTrials:
 
     def _copy(self, layer: nn.Linear, form: str, shape: tuple, timing: bool = False) -> torch.Tensor | None:
         """The layer's copy for `form`, made now if missing and the copies made so far took at most
-        COPY_ALLOWANCE of the time since the first product. Where one cannot be made (no room within the copies'
+        COPY_ALLOWANCE of the call's time. Where one cannot be made (no room within the copies'
         limit, or a weight the form cannot copy), the shape is not timed in that form. A layer a stacked copy
         holds (`linear_forms`) gets one of its own only to be timed (`timing`), dropped once its row count settles."""
         copy = self.copies.get(layer, form)
         if copy is None and not timing and layer in self.copies.stacked:  # a stacked copy holds its weight
             return None
-        if copy is None and (shape, form) not in self.uncopied and self._may_copy():
+        if copy is None and (shape, form) not in self.uncopied and self._may_copy(timing):
             self._making(self.copies.prepare, [layer], form)
             copy = self.copies.get(layer, form)
             if copy is None:
@@ -189,9 +232,14 @@ class FormTrials:
                 self.timing_copies.append(layer)
         return copy
 
-    def _may_copy(self) -> bool:
-        """Whether the copies made so far took at most COPY_ALLOWANCE of the time since the first product."""
-        return self.copy_s <= COPY_ALLOWANCE * (self.clock() - self.started)
+    def _may_copy(self, timing: bool = False) -> bool:
+        """Whether the copies this call made took at most COPY_ALLOWANCE of the time since it began;
+        but for copies a product is to be timed with, not before WIDER_AFTER seconds (see `one_token_steps`)."""
+        elapsed = self.clock() - self.started
+        return (timing or elapsed >= WIDER_AFTER) and self.copy_s <= COPY_ALLOWANCE * elapsed
+
+    def _young(self) -> bool:
+        return self.clock() - self.started < WIDER_AFTER
 
     def _making(self, make, layers: list, form: str) -> None:
         """`make(layers, form)` (a `WeightCopies.prepare*`), its time counted against the allowance."""
@@ -243,10 +291,6 @@ class FormTrials:
         self.pending.discard(n)
         if totals[best] < (ONE_ROW_GAIN if n == 1 else MIN_GAIN) * totals[LINEAR]:
             self.forms[n] = best
-        if NATIVE in totals and totals[NATIVE] >= NATIVE_BEHIND * totals[LINEAR]:  # further behind with more rows
-            for m in self.candidates:
-                if m > n and NATIVE in self.candidates[m] and m in self.pending:
-                    self.candidates[m].remove(NATIVE)
         kept = self.copy_kind if self.copy_kind in self.forms.values() else None
         if kept is not None:  # copies made for one row count serve every other they were timed faster at
             for m, ms in self.totals.items():

@@ -335,7 +335,11 @@ def test_budget_follows_a_copying_text_with_long_chains():
 
 
 def test_auto_budget_learns_its_costs_in_the_first_call_and_stays_exact(tmp_path, monkeypatch):
+    import clover_hf.form_trials as form_trials
+
     monkeypatch.setenv("CLOVER_HF_CACHE", str(tmp_path))
+    # a call learns wider steps' forms (and costs) once it has run this long: at once here (see test_form_trials)
+    monkeypatch.setattr(form_trials, "WIDER_AFTER", 0.0)
     base = tiny_model("qwen2")
     clover = CloverForCausalLM.from_base(base, lookup_tokens=2, lookup_max_tokens=4)
     ids = prompt(7)
@@ -431,8 +435,9 @@ def test_first_steps_stop_learning_wider_widths_once_one_costs_three_one_token_s
 
 def test_widths_timed_while_the_forms_were_learnt_are_doubted_once_a_step_runs_in_settled_forms():
     """A provisional step (its forward still learning the linear forms) is timed as it ran, and does not stop the
-    exploring of wider widths; the first settled step after it doubts those costs most, so that they are
-    priced lower, timed again soon, and that timing replaces them."""
+    exploring of wider widths; a settled step of as many tokens or more (or the forms' copies all made:
+    `forms_ready`) doubts those costs most, so that they are priced lower, timed again soon, and that timing
+    replaces them. A narrower settled step proves nothing of the wider one's products."""
     import time
 
     from clover_hf.budget import MAX_DOUBT, AcceptanceModel
@@ -447,11 +452,16 @@ def test_widths_timed_while_the_forms_were_learnt_are_doubted_once_a_step_runs_i
     assert step.explore == [8]  # a dear width timed provisionally does not rule out wider ones
     assert costs.staleness(1, 4) < 1.0
     step.exploring = False
-    step.verified(1, 1, time.perf_counter() - 0.010)  # settled
+    step.verified(1, 1, time.perf_counter() - 0.010)  # settled, but one token
+    assert costs.staleness(1, 4) < 1.0 and step.provisional == {(1, 4)}
+    step.forms_ready()
     assert costs.staleness(1, 4) == 1.0 and costs.staleness(1, 1) < 1.0
     assert costs.price(1, 4) == pytest.approx((1 - MAX_DOUBT) * costs.predict(1, 4))
     costs.observe(1, 4, 12.0)  # timed again: the doubted cost is replaced, not averaged with
     assert costs.ms[1][4] == pytest.approx(12.0) and not step.provisional
+    step.verified(1, 4, time.perf_counter() - 0.030, provisional=True)
+    step.verified(1, 8, time.perf_counter() - 0.020)  # a settled step of more tokens
+    assert costs.staleness(1, 4) == 1.0 and not step.provisional
 
 
 def test_full_budget_verifies_the_whole_tree_in_the_forms_auto_uses():

@@ -66,6 +66,27 @@ def test_a_first_call_learns_the_forms_from_its_own_products_and_stays_exact(arc
     assert stored.ms  # the verify costs the calls timed stay
 
 
+def test_a_first_call_verifies_one_token_a_step_until_it_has_run_long_enough_to_learn_wider_forms(
+        monkeypatch, tmp_path):
+    """While wider forms are still to be learnt, a call's first WIDER_AFTER seconds verify one token a step
+    (learning them costs more than a short answer earns back); a call past that learns them, drafting again.
+    Greedy output stays the base's either way."""
+    base = tiny_model("llama")
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
+    budget = DraftBudget(cache_dir=tmp_path)
+    ids = prompt(3)
+    ref = base.generate(ids, max_new_tokens=24, do_sample=False)
+    monkeypatch.setattr(form_trials, "WIDER_AFTER", 1e9)  # every call short
+    assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=budget), ref)
+    stats = clover.generation_stats
+    assert stats.verified_per_step == 1.0 and stats.head_drafts == 0
+    (trials,) = budget._trials.values()
+    assert {2, 4, 8, 16} <= trials.pending and trials.one_token_steps()
+    monkeypatch.setattr(form_trials, "WIDER_AFTER", 0.0)  # every call long
+    assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=budget), ref)
+    assert clover.generation_stats.verified_per_step > 1.0 and not trials.one_token_steps()
+
+
 def load_costs_all(cache_dir) -> dict[str, CostModel]:
     import json
 
@@ -117,9 +138,9 @@ def test_a_row_count_stays_pending_until_the_shapes_timed_hold_most_of_the_bytes
     assert 2 not in trials.pending
 
 
-def test_a_form_far_behind_is_timed_once_and_atens_kernel_only_at_few_rows(monkeypatch):
+def test_a_form_far_behind_is_timed_once_and_atens_kernel_only_at_one_row(monkeypatch):
     """A form whose one timing takes NATIVE_BEHIND times the best other's is not timed again for that shape;
-    ATen's kernel is not tried past PACK_ROWS rows (5-12x oneDNN's time there)."""
+    ATen's kernel is tried at one row only (whole forwards of 2-3 tokens ran slower with it)."""
     model = tiny_model("llama")
     clock = FakeClock(lambda rows, form: {LINEAR: 1.0, TRANSPOSED: 10.0}.get(form, 1.0))
     done = fake_products(monkeypatch, clock)
@@ -131,7 +152,7 @@ def test_a_form_far_behind_is_timed_once_and_atens_kernel_only_at_few_rows(monke
     slow = sum(form == TRANSPOSED for rows, form in done if rows == 3)
     assert slow <= 2 * (shapes + 1)  # per shape: one untimed first product, one timed
     assert trials.forms.get(2) != TRANSPOSED
-    assert all(NATIVE not in trials.candidates[n] for n in trials.candidates if n > PACK_ROWS)
+    assert all(NATIVE not in trials.candidates[n] for n in trials.candidates if n > 1)
 
 
 def test_copies_are_made_one_layer_at_a_time_within_their_share_of_the_time(monkeypatch):
@@ -142,8 +163,9 @@ def test_copies_are_made_one_layer_at_a_time_within_their_share_of_the_time(monk
     if not onednn_packs():
         pytest.skip("this torch build has no oneDNN: no blocked copies")  # every x86 CPU wheel has it
     model = tiny_model("llama")
-    clock = FakeClock(lambda rows, form: 0.2 if form in COPIES else 1.0)
-    fake_products(monkeypatch, clock)
+    # copies pay from 2 rows (timed at 0.2x F.linear), not at one (5x)
+    clock = FakeClock(lambda rows, form: (0.2 if rows > 1 else 5.0) if form in COPIES else 1.0)
+    done = fake_products(monkeypatch, clock)
     copies = WeightCopies(limit=10**9)
     made = []
     real = copies.prepare
@@ -162,6 +184,17 @@ def test_copies_are_made_one_layer_at_a_time_within_their_share_of_the_time(monk
     assert made and set(made) == {1}  # one layer at a time
     assert trials.copy_s <= form_trials.COPY_ALLOWANCE * (clock.now - trials.started) + 0.005
     assert trials.forms.get(4) == trials.copy_kind  # timed at 0.2x F.linear: chosen
+    # past WIDER_AFTER every product makes the copy its layer (or group) will compute from, whatever form it
+    # takes itself, until all are made: else only wide steps would make them
+    monkeypatch.setattr(form_trials, "WIDER_AFTER", 0.0)
+    done.clear()
+    with linear_forms([model], {}, copies, trials):
+        for _ in range(200):
+            if trials.copied():
+                break
+            forward_rows(model, 1)
+    in_copies = sum(form == trials.copy_kind for _, form in done)  # one row: timed once per shape, then dropped
+    assert trials.copied() and in_copies < len(trials.units)
 
 
 def test_stored_forms_and_pending_row_counts_survive_the_cache_file(tmp_path):
