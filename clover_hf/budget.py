@@ -32,7 +32,7 @@ import torch
 
 from .hardware import available_memory, cpu_capability, cpu_name
 from .form_trials import FormTrials
-from .linears import WeightCopies, copy_form
+from .linears import PACK_ROWS, WeightCopies, copy_form
 from .quantized import quantization
 from .user_cache import default_cache_dir
 from .verify_forward import bucket
@@ -494,13 +494,15 @@ class DraftBudget:
 
     def forms(self, key: str, calibrate: bool | None, measure: Callable[[int], dict[int, str]]) -> dict[int, str]:
         """How linear layers compute each row count for `key` (`linears.faster_forms`): stored, else
-        measured by `measure(copy_limit)` (calibrate None: when not stored; True: again; False: never,
-        which leaves F.linear throughout). Costs timed under other forms, or before forms were chosen,
-        are dropped. A fixed cost model uses its own (none unless set)."""
+        measured by `measure(copy_limit)` (calibrate None: when not stored, or when the forms learnt from
+        products (`form_trials`) still lack a verify forward's row count, as a batch's; True: again; False:
+        never, which leaves F.linear throughout). Costs timed under other forms, or before forms were
+        chosen, are dropped. A fixed cost model uses its own (none unless set)."""
         if self.fixed is not None:
             return self.fixed.forms or {}
         costs = self.stored(key)
-        if calibrate or (calibrate is None and costs.forms is None):
+        unsettled = costs.forms is None or any(n <= PACK_ROWS for n in costs.pending or ())
+        if calibrate or (calibrate is None and unsettled):
             self.share_forms(key, measure(self.copy_limit()))
             costs.pending = None
             self._trials.pop(key, None)

@@ -226,3 +226,16 @@ def test_forms_learnt_keep_the_verify_costs_and_end_once_verify_row_counts_settl
 
 def test_a_row_count_is_the_power_of_two_at_or_below_it():
     assert [row_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 300)] == [1, 1, 2, 2, 4, 4, 8, 256]
+
+
+def test_a_batch_finding_verify_row_counts_still_pending_times_the_forms_apart(tmp_path):
+    """Batches do not learn forms from their products (their rows multiply at 4 and more, where trying slow forms
+    inside forwards cost more than timing them): one that finds verify row counts still pending after batch-1
+    calls times all the forms apart, and then nothing is pending."""
+    budget = DraftBudget(cache_dir=tmp_path)
+    stored = budget.stored("m")
+    stored.forms, stored.pending = {1: "native"}, [2, 4, 8, 16, 32]
+    assert budget.forms("m", None, lambda limit: {2: TRANSPOSED}) == {2: TRANSPOSED}
+    assert not budget.stored("m").pending
+    stored.pending = [64]  # only row counts past a verify forward's pending: kept as learnt
+    assert budget.forms("m", None, lambda limit: pytest.fail("timed again")) == {2: TRANSPOSED}
