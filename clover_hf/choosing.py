@@ -96,7 +96,7 @@ class StepBudget:
         tokens; a step that was not `settled` (its forward compiled) teaches nothing, and what it explored
         is explored again. A `provisional` step (its forward still learning the linear forms, or missing
         weight copies they compute from) is timed as it ran, but once a step of as many rows or more runs in
-        settled forms, the widths timed provisionally are doubted (`CostModel.doubt`) and soon timed again."""
+        settled forms, the widths timed provisionally are timed again (`_time_again`)."""
         if not settled:
             return
         if self.exploring and self.explore:
@@ -115,14 +115,25 @@ class StepBudget:
             if provisional:
                 self.provisional.add((rows, width))
             elif self.provisional:  # this step's products ran settled, and so do those of fewer rows
-                doubted = {(r, w) for r, w in self.provisional if r * w <= rows * width}
-                self.costs.doubt(doubted)
-                self.provisional -= doubted
+                self._time_again({(r, w) for r, w in self.provisional if r * w <= rows * width})
 
     def forms_ready(self) -> None:
-        """The linear forms have settled and their weight copies are made: doubt every width timed before."""
-        self.costs.doubt(self.provisional)
-        self.provisional.clear()
+        """The linear forms have settled and their weight copies are made: time again every width timed before."""
+        self._time_again(set(self.provisional))
+
+    def _time_again(self, timed: set[tuple[int, int]]) -> None:
+        """Forget the costs of these provisionally timed (rows, width), to be explored again (a step that made
+        weight copies took up to 10x its cost: doubting it would still rule it out); one token's, which every
+        choice needs, is doubted instead (`CostModel.doubt`): priced lower, it is soon timed again."""
+        for rows, width in timed:
+            curve = self.costs.ms.get(rows, {})
+            if width == 1 or width not in curve:
+                self.costs.doubt([(rows, width)])
+                continue
+            del curve[width]
+            if width not in self.explore:  # (trials run at batch 1: the rows the explored widths are timed at)
+                self.explore = sorted([*self.explore, width])
+        self.provisional -= timed
 
     def save(self) -> None:
         self.budget.save(self.key)

@@ -335,11 +335,10 @@ def test_budget_follows_a_copying_text_with_long_chains():
 
 
 def test_auto_budget_learns_its_costs_in_the_first_call_and_stays_exact(tmp_path, monkeypatch):
-    import clover_hf.form_trials as form_trials
-
     monkeypatch.setenv("CLOVER_HF_CACHE", str(tmp_path))
-    # a call learns wider steps' forms (and costs) once it has run this long: at once here (see test_form_trials)
-    monkeypatch.setattr(form_trials, "WIDER_AFTER", 0.0)
+    # the forms timed apart, as where batches or calibrate=True time them: the costs alone are learnt from the
+    # steps (forms learnt from products make the first steps provisional: see test_form_trials)
+    monkeypatch.setattr(DraftBudget, "form_trials", lambda self, *args: None)
     base = tiny_model("qwen2")
     clover = CloverForCausalLM.from_base(base, lookup_tokens=2, lookup_max_tokens=4)
     ids = prompt(7)
@@ -433,11 +432,12 @@ def test_first_steps_stop_learning_wider_widths_once_one_costs_three_one_token_s
     assert step.costs.ms[1][4] >= 10.0 * EXPLORE_LIMIT
 
 
-def test_widths_timed_while_the_forms_were_learnt_are_doubted_once_a_step_runs_in_settled_forms():
-    """A provisional step (its forward still learning the linear forms) is timed as it ran, and does not stop the
-    exploring of wider widths; a settled step of as many tokens or more (or the forms' copies all made:
-    `forms_ready`) doubts those costs most, so that they are priced lower, timed again soon, and that timing
-    replaces them. A narrower settled step proves nothing of the wider one's products."""
+def test_widths_timed_while_the_forms_were_learnt_are_timed_again_once_steps_run_in_settled_forms():
+    """A provisional step (its forward still learning the linear forms, or making weight copies) is timed as it
+    ran, and does not stop the exploring of wider widths. Once a settled step of as many tokens or more runs (or
+    the forms' copies are all made: `forms_ready`), a wider width's cost is forgotten and explored again (a step
+    that made copies took up to 10x its cost), one token's doubted most (every choice needs it). A narrower
+    settled step proves nothing of the wider one's products."""
     import time
 
     from clover_hf.budget import MAX_DOUBT, AcceptanceModel
@@ -445,23 +445,21 @@ def test_widths_timed_while_the_forms_were_learnt_are_doubted_once_a_step_runs_i
 
     budget = DraftBudget(cache_dir="unused")
     step = StepBudget(budget, "k", CostModel(), AcceptanceModel(3, 4), depth=3, lookup_max=4, explore=[1, 4, 8])
-    for width, ms, provisional in ((1, 10.0, False), (4, 10.0 * EXPLORE_LIMIT + 5.0, True)):
+    for width, ms in ((1, 30.0), (4, 10.0 * EXPLORE_LIMIT + 5.0)):
         step.exploring = True
-        step.verified(1, width, time.perf_counter() - ms / 1000, provisional=provisional)
+        step.verified(1, width, time.perf_counter() - ms / 1000, provisional=True)
     costs = step.costs
     assert step.explore == [8]  # a dear width timed provisionally does not rule out wider ones
-    assert costs.staleness(1, 4) < 1.0
     step.exploring = False
-    step.verified(1, 1, time.perf_counter() - 0.010)  # settled, but one token
-    assert costs.staleness(1, 4) < 1.0 and step.provisional == {(1, 4)}
+    step.verified(1, 1, time.perf_counter() - 0.010)  # settled, but one token: doubts one token's cost only
+    assert step.provisional == {(1, 4)} and 4 in costs.ms[1] and costs.staleness(1, 4) < 1.0
     step.forms_ready()
-    assert costs.staleness(1, 4) == 1.0 and costs.staleness(1, 1) < 1.0
-    assert costs.price(1, 4) == pytest.approx((1 - MAX_DOUBT) * costs.predict(1, 4))
-    costs.observe(1, 4, 12.0)  # timed again: the doubted cost is replaced, not averaged with
-    assert costs.ms[1][4] == pytest.approx(12.0) and not step.provisional
-    step.verified(1, 4, time.perf_counter() - 0.030, provisional=True)
+    assert 4 not in costs.ms[1] and step.explore == [4, 8] and not step.provisional
+    step.verified(1, 1, time.perf_counter() - 0.030, provisional=True)  # a copy made in a one-token step
     step.verified(1, 8, time.perf_counter() - 0.020)  # a settled step of more tokens
-    assert costs.staleness(1, 4) == 1.0 and not step.provisional
+    assert costs.staleness(1, 1) == 1.0 and costs.price(1, 1) == pytest.approx((1 - MAX_DOUBT) * costs.predict(1, 1))
+    costs.observe(1, 1, 10.0)  # timed again: the doubted cost is replaced, not averaged with
+    assert costs.ms[1][1] == pytest.approx(10.0) and not step.provisional
 
 
 def test_full_budget_verifies_the_whole_tree_in_the_forms_auto_uses():
