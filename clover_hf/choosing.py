@@ -94,9 +94,10 @@ class StepBudget:
                  ) -> None:
         """Refine the costs with this step's time since `started` (before the verify forward) for `rows` x `width`
         tokens; a step that was not `settled` (its forward compiled) teaches nothing, and what it explored
-        is explored again. A `provisional` step (its forward still learning the linear forms, or missing
-        weight copies they compute from) is timed as it ran, but once a step of as many rows or more runs in
-        settled forms, the widths timed provisionally are timed again (`_time_again`)."""
+        is explored again. A `provisional` step (its forward still learning the linear forms, or making or
+        missing weight copies they compute from) times only a width with no cost from settled steps, as it
+        ran; once a step of as many tokens or more runs in settled forms, such widths are timed again
+        (`_time_again`)."""
         if not settled:
             return
         if self.exploring and self.explore:
@@ -104,6 +105,8 @@ class StepBudget:
         if self.budget.fixed is None:
             ms = 1000 * (time.perf_counter() - started)
             timed = self.costs.ms.get(rows, {})
+            if provisional and width in timed and (rows, width) not in self.provisional:
+                return  # a cost timed in settled forms is not made dearer by a step still learning them
             if self.exploring and width not in timed:
                 self.costs.record(rows, width, ms)
                 one = self.costs.ms[rows].get(1)

@@ -437,7 +437,7 @@ def test_widths_timed_while_the_forms_were_learnt_are_timed_again_once_steps_run
     ran, and does not stop the exploring of wider widths. Once a settled step of as many tokens or more runs (or
     the forms' copies are all made: `forms_ready`), a wider width's cost is forgotten and explored again (a step
     that made copies took up to 10x its cost), one token's doubted most (every choice needs it). A narrower
-    settled step proves nothing of the wider one's products."""
+    settled step proves nothing of the wider one's products; a provisional step leaves a settled cost alone."""
     import time
 
     from clover_hf.budget import MAX_DOUBT, AcceptanceModel
@@ -455,11 +455,11 @@ def test_widths_timed_while_the_forms_were_learnt_are_timed_again_once_steps_run
     assert step.provisional == {(1, 4)} and 4 in costs.ms[1] and costs.staleness(1, 4) < 1.0
     step.forms_ready()
     assert 4 not in costs.ms[1] and step.explore == [4, 8] and not step.provisional
-    step.verified(1, 1, time.perf_counter() - 0.030, provisional=True)  # a copy made in a one-token step
-    step.verified(1, 8, time.perf_counter() - 0.020)  # a settled step of more tokens
     assert costs.staleness(1, 1) == 1.0 and costs.price(1, 1) == pytest.approx((1 - MAX_DOUBT) * costs.predict(1, 1))
     costs.observe(1, 1, 10.0)  # timed again: the doubted cost is replaced, not averaged with
     assert costs.ms[1][1] == pytest.approx(10.0) and not step.provisional
+    step.verified(1, 1, time.perf_counter() - 0.090, provisional=True)  # a copy made in a one-token step
+    assert costs.ms[1][1] == pytest.approx(10.0) and not step.provisional  # a settled cost is not made dearer
 
 
 def test_full_budget_verifies_the_whole_tree_in_the_forms_auto_uses():
