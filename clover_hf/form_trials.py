@@ -92,13 +92,21 @@ class FormTrials:
         self.warm: set[tuple] = set()  # (row count, shape, form) computed once already (the first is not timed)
         self.group_of = {id(m): group for group in shared_input_groups(models) for m in group}
         self.units = _units(models)  # products as `linear_forms` computes them: a group stacked, else a layer
-        self._copied = False  # every unit has the copy the forms compute from (or cannot have one)
+        self._copied_all = False  # every unit has its copy for the copy form (or cannot have one)
         self.stacked_products: dict[nn.Linear, _Stacked] = {}  # by a group's first layer, in this call
         self.copy_s = 0.0  # seconds spent making copies in this call
         # products computed otherwise than a settled step computes them (timed or untimed trials, a copy made,
         # a copy missing): a step that ran any is no measure of what a step costs
         self.unsettled = 0
         self.started = self.clock()  # when the current call began (`next_call`)
+        # one row is learnt from whole forwards, each in one form (from the base's first product to its output
+        # embedding's): per product, W @ x.T was timed faster in float32 on the AVX-512-bf16 EPYC, yet one-token
+        # steps ran 40 against 48 tokens/s with it, as `faster_forms` times one row streamed for the same reason
+        out = models[0].get_output_embeddings() if hasattr(models[0], "get_output_embeddings") else None
+        ends = (id(self.units[0][0]), id(out)) if self.units and out is not None else None
+        self.row_ends = ends if ends is not None and ends[1] in self.shape_of and ends[0] != ends[1] else None
+        self.one_row: dict[str, list[float]] = defaultdict(list)  # seconds of whole one-row forwards per form
+        self.forward: tuple[str, float] | None = None  # the form and start of the one-row forward under way
 
     def serves(self, models: list[nn.Module]) -> bool:
         """Whether these trials were made for the linear layers of `models`."""
@@ -136,22 +144,17 @@ class FormTrials:
     def copied(self) -> bool:
         """Whether every layer (or stacked group) has the copy its settled forms compute from, or cannot have
         one: products then run as fast as these forms allow."""
-        kind = self.copy_kind
-        if not self._copied and kind in self.forms.values():
-            self._copied = all(
-                len(unit) > 1 and self.copies.get_fused(unit, kind) is not None
-                or all(self.copies.get(m, kind) is not None or (self.shape_of[id(m)], kind) in self.uncopied
-                       for m in unit)
-                for unit in self.units)
-        return self._copied or kind not in self.forms.values()
+        return self.copy_kind not in self.forms.values() or self._all_copied()
 
     def product(self, layer: nn.Linear, x: torch.Tensor, rows: int) -> torch.Tensor:
         """`layer(x)` for `rows` rows: in the settled form, or in the next form to time (timed)."""
         n, shape = row_bucket(rows), self.shape_of[id(layer)]
-        if not self._copied and self.copy_kind in self.forms.values():
+        if not self._copied_all and self.copy_kind in self.forms.values():
             self._provide(layer, shape)
         if n in self.learnt:
             return self._compute(layer, x, self.forms.get(n, LINEAR), self.fallback[n])
+        if n == 1 and self.row_ends is not None:
+            return self._one_row_product(layer, x)
         self.seen[n].add(shape)
         timed = self.ms[(n, shape)]
         todo = [f for f in self.candidates[n] if not self._done(timed, f) and (shape, f) not in self.uncopied]
@@ -172,6 +175,65 @@ class FormTrials:
         # every form timed for this shape (or none can be now): the fastest so far
         best = min((f for f in timed if timed[f]), key=lambda f: min(timed[f]), default=LINEAR)
         return self._compute(layer, x, best, LINEAR)
+
+    def _one_row_forms(self) -> list[str]:
+        """The forms one row is timed in: the copy form only once every copy is made (a whole forward runs in it)."""
+        return [f for f in self.candidates[1] if f not in COPIES or self._all_copied()]
+
+    def _one_row_product(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """A one-row product while one row is pending: a forward starting at the base's first layer takes the
+        next form to time (each form once untimed first, then SAMPLES times), and is timed to the end of its
+        output embedding's product; products outside such a forward (the heads') take the fastest so far."""
+        first, last = self.row_ends
+        if id(layer) == first:
+            timed, forms = self.one_row, self._one_row_forms()
+            todo = [f for f in forms if len(timed[f]) < SAMPLES]
+            form = min(todo, key=lambda f: len(timed[f]) + ((1, f) in self.warm)) if todo else self._one_row_best()
+            self.forward = (form, self.clock())
+            self.unsettled += bool(todo)
+        form = self.forward[0] if self.forward is not None else self._one_row_best()
+        out = self._compute(layer, x, form, LINEAR)
+        if id(layer) == last and self.forward is not None:
+            form, start = self.forward
+            self.forward = None
+            if (1, form) not in self.warm:  # the first forward in a form builds kernels and caches
+                self.warm.add((1, form))
+            elif len(self.one_row[form]) < SAMPLES:
+                self.one_row[form].append(self.clock() - start)
+                self._settle_one_row()
+        return out
+
+    def _one_row_best(self) -> str:
+        timed = [f for f in self._one_row_forms() if self.one_row[f]]
+        return min(timed, key=lambda f: min(self.one_row[f]), default=LINEAR)
+
+    def _settle_one_row(self) -> None:
+        """Settle one row once every form (the copy form too, where one row tries it) is timed SAMPLES times:
+        the fastest whole forward, taking at most MIN_GAIN of F.linear's (COPY_GAIN of the best without a copy,
+        for the copy form)."""
+        if any(len(self.one_row[f]) < SAMPLES for f in self.candidates[1]):
+            return
+        ms = {f: 1000 * min(self.one_row[f]) for f in self.candidates[1] if self.one_row[f]}
+        without = min((f for f in ms if f not in COPIES), key=ms.get)
+        best = min(ms, key=ms.get)
+        if best in COPIES and ms[best] > COPY_GAIN * ms[without]:
+            best = without
+        self.totals[1], self.fallback[1] = ms, without
+        self.learnt.add(1)
+        self.pending.discard(1)
+        if ms[best] < MIN_GAIN * ms[LINEAR]:
+            self.forms[1] = best
+
+    def _all_copied(self) -> bool:
+        """Whether every layer (or stacked group) has its copy for the copy form, or cannot have one."""
+        kind = self.copy_kind
+        if not self._copied_all and kind is not None:
+            self._copied_all = all(
+                len(unit) > 1 and self.copies.get_fused(unit, kind) is not None
+                or all(self.copies.get(m, kind) is not None or (self.shape_of[id(m)], kind) in self.uncopied
+                       for m in unit)
+                for unit in self.units)
+        return self._copied_all
 
     def _compute(self, layer: nn.Linear, x: torch.Tensor, form: str, without: str) -> torch.Tensor:
         """`layer(x)` in `form`; one that needs a copy the layer lacks (and cannot get now) in `without`. Layers

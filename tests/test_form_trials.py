@@ -239,3 +239,25 @@ def test_a_batch_finding_verify_row_counts_still_pending_times_the_forms_apart(t
     assert not budget.stored("m").pending
     stored.pending = [64]  # only row counts past a verify forward's pending: kept as learnt
     assert budget.forms("m", None, lambda limit: pytest.fail("timed again")) == {2: TRANSPOSED}
+
+
+def test_one_row_is_learnt_from_whole_forwards_each_in_one_form(monkeypatch):
+    """One row is timed by whole one-token forwards (per product, W @ x.T was timed faster in float32 while
+    one-token steps ran slower with it): every product of a forward from the base's first layer to its output
+    embedding takes one form, each form is timed SAMPLES times after one untimed forward, and the fastest
+    settles. The heads' one-row products between forwards take the fastest so far."""
+    model = tiny_model("llama")
+    clock = FakeClock(lambda rows, form: {LINEAR: 1.0, TRANSPOSED: 0.5}.get(form, 2.0))
+    done = fake_products(monkeypatch, clock)
+    trials = FormTrials([model], WeightCopies(), clock=clock)
+    per_forward = len(trials.shape_of)
+    forwards = (SAMPLES + 1) * len(trials.candidates[1])
+    with linear_forms([model], {}, None, trials):
+        for _ in range(forwards):
+            forward_rows(model, 1)
+    assert len(done) == forwards * per_forward
+    forms_of = [{form for _, form in done[k:k + per_forward]} for k in range(0, len(done), per_forward)]
+    assert all(len(forms) == 1 for forms in forms_of)  # one form a forward
+    assert [next(iter(f)) for f in forms_of].count(TRANSPOSED) == SAMPLES + 1
+    assert 1 not in trials.pending and trials.forms[1] == TRANSPOSED
+    assert trials.totals[1][TRANSPOSED] == pytest.approx(0.5 * trials.totals[1][LINEAR])
