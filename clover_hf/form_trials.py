@@ -187,6 +187,11 @@ class FormTrials:
         first, last = self.row_ends
         if id(layer) == first:
             timed, forms = self.one_row, self._one_row_forms()
+            kind = self.copy_kind
+            if kind in forms and (1, kind) not in self.warm:
+                # the copy form joins once its copies are made: the others are timed again beside it, as the
+                # forwards timed before ran over shorter texts
+                timed.clear()
             todo = [f for f in forms if len(timed[f]) < SAMPLES]
             form = min(todo, key=lambda f: len(timed[f]) + ((1, f) in self.warm)) if todo else self._one_row_best()
             self.forward = (form, self.clock())
@@ -209,14 +214,15 @@ class FormTrials:
 
     def _settle_one_row(self) -> None:
         """Settle one row once every form (the copy form too, where one row tries it) is timed SAMPLES times:
-        the fastest whole forward, taking at most MIN_GAIN of F.linear's (COPY_GAIN of the best without a copy,
-        for the copy form)."""
+        the fastest whole forward, taking at most MIN_GAIN of F.linear's (the copy form, unless wider row counts
+        keep its copies already, COPY_GAIN of the best without a copy)."""
         if any(len(self.one_row[f]) < SAMPLES for f in self.candidates[1]):
             return
         ms = {f: 1000 * min(self.one_row[f]) for f in self.candidates[1] if self.one_row[f]}
         without = min((f for f in ms if f not in COPIES), key=ms.get)
         best = min(ms, key=ms.get)
-        if best in COPIES and ms[best] > COPY_GAIN * ms[without]:
+        kept = best in self.forms.values()  # the copies wider row counts compute from: made already
+        if best in COPIES and not kept and ms[best] > COPY_GAIN * ms[without]:
             best = without
         self.totals[1], self.fallback[1] = ms, without
         self.learnt.add(1)
