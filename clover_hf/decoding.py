@@ -23,7 +23,7 @@ from transformers import GenerationConfig, LogitsProcessorList, MaxLengthCriteri
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .budget import DraftBudget, cost_key
-from .cache import OUTPUT_CACHE_FIELD, capacity, given_cache, is_static, static_cache, to_normal_tensors
+from .cache import OUTPUT_CACHE_FIELD, given_cache, is_static, static_cache, to_normal_tensors
 from .choosing import StepBudget
 from .drafting import Draft, draft_rows, stack_trees, static_trees, tree_spec
 from .form_trials import FormTrials

@@ -89,7 +89,8 @@ class FormTrials:
         self.seen: dict[int, set[tuple]] = defaultdict(set)
         self.uncopied: set[tuple[tuple, str]] = set()  # (shape, form) whose copy could not be made
         self.timing_copies: list[nn.Linear] = []  # layers given a copy only to be timed (see `_copy`)
-        self.warm: set[tuple] = set()  # (row count, shape, form) computed once already (the first is not timed)
+        # computed once already, the first not timed: (row count, shape, form) products, (1, form) one-row forwards
+        self.warm: set[tuple] = set()
         self.group_of = {id(m): group for group in shared_input_groups(models) for m in group}
         self.units = _units(models)  # products as `linear_forms` computes them: a group stacked, else a layer
         self._copied_all = False  # every unit has its copy for the copy form (or cannot have one)
