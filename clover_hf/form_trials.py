@@ -5,8 +5,8 @@ for SmolLM2-135M (0.1 s of it making the weight copies), which an answer of 18 t
 decoding) never earned back: that first call ran 0.63x plain `generate`. Here nothing is timed apart.
 Each product of a row count not settled yet is computed in one of the candidate forms in turn and
 timed where it runs, inside a real forward; its output is used like any other (every form computes
-the same product). The first product of a shape in a form is not timed (oneDNN builds its kernel
-then); a form timed once at NATIVE_BEHIND times another's is not timed again for that shape. Once the
+the same product). The first product of a shape at a row count in a form is not timed (oneDNN builds
+its kernel then); a form timed once at NATIVE_BEHIND times another's is not timed again for that shape. Once the
 shapes timed `SAMPLES` times in every form hold `COVERAGE` of the weights' bytes, the row count
 settles on the form with the least total time over the layers, by `faster_forms`' gain rules.
 
@@ -89,7 +89,9 @@ class FormTrials:
         self.seen: dict[int, set[tuple]] = defaultdict(set)
         self.uncopied: set[tuple[tuple, str]] = set()  # (shape, form) whose copy could not be made
         self.timing_copies: list[nn.Linear] = []  # layers given a copy only to be timed (see `_copy`)
-        # computed once already, the first not timed: (row count, shape, form) products, (1, form) one-row forwards
+        # computed once already, the first not timed: (rows, shape, form) products (each row count of a bucket:
+        # at 16-31 rows, the blocked layout's first product at each count had made it look slower than W @ x.T,
+        # which then took 16-token verify forwards to 37 ms against 22), and (1, form) one-row forwards
         self.warm: set[tuple] = set()
         self.group_of = {id(m): group for group in shared_input_groups(models) for m in group}
         self.units = _units(models)  # products as `linear_forms` computes them: a group stacked, else a layer
@@ -164,8 +166,8 @@ class FormTrials:
             if form in COPIES and copy is None:  # not made (yet): time another form
                 continue
             self.unsettled += 1
-            if (n, shape, form) not in self.warm:  # the first product of a new shape builds oneDNN's kernel for it
-                self.warm.add((n, shape, form))
+            if (rows, shape, form) not in self.warm:  # oneDNN builds a kernel for each new shape and row count
+                self.warm.add((rows, shape, form))
                 return form_linear(x, layer.weight, layer.bias, form, copy)
             start = self.clock()
             out = form_linear(x, layer.weight, layer.bias, form, copy)
