@@ -225,7 +225,7 @@ def clover_generate(
         budget = StepBudget.start(clover_budget, plan.key, clover_calibrate, model, batch, plan.widest, plan.depth,
                                   plan.lookup_max, sample, verify)
         clock = _Clock(stats.stage_seconds if clover_profile else None, device)  # the steps' stages, from here
-        ready = plan.trials is None or plan.trials.copied()  # the forms' copies all made
+        ready = plan.trials is None or plan.trials.ready()  # the forms settled and their copies made
         while batch.active:
             if budget is not None and plan.trials is not None:  # a first call learns wider forms once it runs long
                 budget.cap = 1 if plan.trials.one_token_steps() else None
@@ -248,7 +248,7 @@ def clover_generate(
                 # that learnt linear forms (or lacked the copies they compute from) costs more than it will
                 provisional = plan.trials is not None and plan.trials.unsettled != unsettled
                 budget.verified(len(batch.active), ids.shape[1], started, verify.settled, provisional)
-                if not ready and plan.trials.copied():
+                if not ready and plan.trials.ready():
                     budget.forms_ready()
                     ready = True
             _feed_heads(batch.active, accepted, news, hidden, node_pos, plan.embed)

@@ -144,6 +144,10 @@ class FormTrials:
         above, where still pending, compute in F.linear."""
         return not any(n in self.pending for n in ROW_COUNTS if n <= PACK_ROWS)
 
+    def ready(self) -> bool:
+        """Whether the forms are final and every copy they compute from is made: steps then cost what they will."""
+        return self.finished() and self.copied()
+
     def copied(self) -> bool:
         """Whether every layer (or stacked group) has the copy its settled forms compute from, or cannot have
         one: products then run as fast as these forms allow."""

@@ -261,3 +261,16 @@ def test_one_row_is_learnt_from_whole_forwards_each_in_one_form(monkeypatch):
     assert [next(iter(f)) for f in forms_of].count(TRANSPOSED) == SAMPLES + 1
     assert 1 not in trials.pending and trials.forms[1] == TRANSPOSED
     assert trials.totals[1][TRANSPOSED] == pytest.approx(0.5 * trials.totals[1][LINEAR])
+
+
+def test_trials_are_ready_once_verify_row_counts_settled_and_their_copies_are_made():
+    """The decode loop times again what it timed provisionally once the trials are ready: every row count of a
+    verify forward settled, and the copies its forms compute from made (none needed where no form uses them)."""
+    model = tiny_model("llama")
+    trials = FormTrials([model], WeightCopies(limit=10**9))
+    assert not trials.ready()  # nothing settled yet
+    trials.pending -= {n for n in range(PACK_ROWS + 1)}
+    assert trials.ready()  # F.linear everywhere: no copies to make
+    if trials.copy_kind is not None:
+        trials.forms[4] = trials.copy_kind
+        assert not trials.ready()  # its copies not made yet
