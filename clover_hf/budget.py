@@ -64,6 +64,9 @@ class CostModel:
     # the row counts whose forms are still to be learnt from the products of later calls (`form_trials`);
     # None or empty: none (forms timed apart by `faster_forms`, or every row count settled)
     pending: list[int] | None = None
+    # milliseconds of a one-token forward in F.linear, as plain `generate` computes it, timed by the form trials:
+    # how far ahead of plain a call is, which pays for learning the forms still pending
+    plain_row_ms: float | None = None
     # the widths a compiled forward is padded to (`verify_forward.BUCKETS`): a width costs what its bucket
     # does, and only buckets are timed; None: every width is its own forward
     buckets: tuple[int, ...] | None = None
@@ -169,14 +172,17 @@ class CostModel:
             data["forms"] = {str(n): f for n, f in sorted(self.forms.items())}
         if self.pending:
             data["pending"] = sorted(self.pending)
+        if self.plain_row_ms is not None:
+            data["plain_row_ms"] = round(self.plain_row_ms, 3)
         return data
 
     @classmethod
     def from_json(cls, data: dict) -> "CostModel":
         curves = {int(r): {int(w): float(ms) for w, ms in c.items()} for r, c in data.items() if r.isdigit()}
-        forms, pending = data.get("forms"), data.get("pending")
+        forms, pending, plain_row = data.get("forms"), data.get("pending"), data.get("plain_row_ms")
         return cls(curves, forms={int(n): str(f) for n, f in forms.items()} if isinstance(forms, dict) else None,
-                   pending=[int(n) for n in pending] if isinstance(pending, list) else None)
+                   pending=[int(n) for n in pending] if isinstance(pending, list) else None,
+                   plain_row_ms=float(plain_row) if isinstance(plain_row, (int, float)) else None)
 
 
 def cost_key(model: torch.nn.Module, device: torch.device) -> str:
@@ -504,7 +510,7 @@ class DraftBudget:
         unsettled = costs.forms is None or any(n <= PACK_ROWS for n in costs.pending or ())
         if calibrate or (calibrate is None and unsettled):
             self.share_forms(key, measure(self.copy_limit()))
-            costs.pending = None
+            costs.pending, costs.plain_row_ms = None, None
             self._trials.pop(key, None)
             save_costs(key, costs, self.cache_dir)
         return costs.forms or {}
@@ -525,7 +531,8 @@ class DraftBudget:
         if trials is None or not trials.serves(models):
             self.copies.limit = self.copy_limit()
             pending = None if costs.forms is None else set(costs.pending)
-            trials = self._trials[key] = FormTrials(models, self.copies, costs.forms, pending)
+            plain_row_s = None if costs.plain_row_ms is None else costs.plain_row_ms / 1000
+            trials = self._trials[key] = FormTrials(models, self.copies, costs.forms, pending, plain_row_s)
         trials.next_call()
         return trials
 
@@ -537,6 +544,7 @@ class DraftBudget:
             costs = self.stored(key)
             done = trials.finished()
             costs.forms, costs.pending = dict(trials.forms), None if done else sorted(trials.pending)
+            costs.plain_row_ms = None if done or trials.plain_row_s is None else 1000 * trials.plain_row_s
             if done:
                 self._trials.pop(key, None)
 

@@ -10,12 +10,15 @@ its kernel then); a form timed once at NATIVE_BEHIND times another's is not time
 shapes timed `SAMPLES` times in every form hold `COVERAGE` of the weights' bytes, the row count
 settles on the form with the least total time over the layers, by `faster_forms`' gain rules.
 
-One row comes first: a call's first `WIDER_AFTER` seconds verify one token a step (in the one-row
-form, once learnt, already faster than plain decoding) and compute a prefill in F.linear. Only a call
-that runs longer learns the wider forms, and makes the weight copies they compute from: one layer (or
-one stacked group) at a time, as products run, within `COPY_ALLOWANCE` of the call's time. The forms
-settled are kept after each call, with the row counts still pending; once every row count of a verify
-forward (up to PACK_ROWS) settled, the forms are final. CPU only, as the forms are.
+One row comes first: a call verifies one token a step (in the one-row form, once learnt, already
+faster than plain decoding) and computes a prefill in F.linear until it runs ahead of plain `generate`:
+the time plain would have taken for the tokens so far (its one-token forward, timed in F.linear by the
+one-row trials) less the time the call took. What it is ahead by pays for learning the wider forms
+(steps that compute products in forms being timed) and for the weight copies they compute from, one
+layer (or one stacked group) at a time, while it stays ahead by RESERVE_STEPS one-token forwards: so a
+call ends no slower than plain, whenever it ends. The forms settled are kept after each call, with the
+row counts still pending; once every row count of a verify forward (up to PACK_ROWS) settled, the forms
+are final. CPU only, as the forms are.
 """
 
 from __future__ import annotations
@@ -35,9 +38,12 @@ SAMPLES = 3  # timings of each form per weight shape before a row count settles 
 # product of a new row count builds its kernel)
 COVERAGE = 0.75  # a row count settles once the shapes timed at it hold this share of the weights' bytes (SmolLM2:
 # its decoder layers' shapes hold 79%, its output embedding 21%)
-COPY_ALLOWANCE = 0.5  # weight copies are made while their making took at most this share of the call's time
 ROW_COUNTS = tuple(1 << k for k in range(MAX_ROWS.bit_length()))  # 1, 2, 4, ... MAX_ROWS
-WIDER_AFTER = 0.5  # seconds of a call before its steps verify more than one token (see `one_token_steps`)
+RESERVE_STEPS = 2.0  # a call learns while ahead of plain `generate` by this many of plain's one-token forwards (a
+# wide step in forms being timed cost up to about two more than a one-token step on the AVX-512-bf16 EPYC)
+LEARN_ANYWAY = 2.0  # seconds after which a call learns even if not ahead (one-token steps that gain nothing never
+# get ahead: speculation is then the only gain, and it needs the wider forms) ...
+COPY_ALLOWANCE = 0.5  # ... making copies while their making took at most this share of the call's time
 
 
 def row_bucket(rows: int) -> int:
@@ -53,7 +59,7 @@ class FormTrials:
     `faster_forms` returns them, and changes in place as row counts settle."""
 
     def __init__(self, models: list[nn.Module], copies: WeightCopies, known: dict[int, str] | None = None,
-                 pending: set[int] | None = None, clock=time.perf_counter) -> None:
+                 pending: set[int] | None = None, plain_row_s: float | None = None, clock=time.perf_counter) -> None:
         self.copies, self.clock = copies, clock
         layers = list({id(m): m for model in models for m in _linears(model)}.values())
         self.shape_of = shape_keys(models)
@@ -102,6 +108,10 @@ class FormTrials:
         # a copy missing): a step that ran any is no measure of what a step costs
         self.unsettled = 0
         self.started = self.clock()  # when the current call began (`next_call`)
+        # seconds of a one-token forward in F.linear, as plain `generate` computes it (timed by the one-row trials,
+        # or stored by an earlier process); with the call's prefill and tokens, what plain would have taken
+        self.plain_row_s = plain_row_s
+        self.prefill_s, self.tokens = 0.0, 0
         # one row is learnt from whole forwards, each in one form (from the base's first product to its output
         # embedding's): per product, W @ x.T was timed faster in float32 on the AVX-512-bf16 EPYC, yet one-token
         # steps ran 40 against 48 tokens/s with it, as `faster_forms` times one row streamed for the same reason
@@ -122,22 +132,49 @@ class FormTrials:
         self.learnt.clear()
         self.stacked_products = {}
         self.started, self.copy_s = self.clock(), 0.0
+        self.prefill_s, self.tokens = 0.0, 0
+
+    def prefilled(self, seconds: float) -> None:
+        """The call's prefill took `seconds`: plain `generate` computes the same one."""
+        self.prefill_s += seconds
+
+    def emitted(self, tokens: int) -> None:
+        """A step of the call emitted `tokens` tokens: plain `generate` would have run a one-token forward for each."""
+        self.tokens += tokens
+
+    def ahead_s(self) -> float | None:
+        """Seconds by which the call is ahead of plain `generate`'s time for its prefill and tokens so far (its
+        one-token forwards taken at their least timed time; plain's steps also process logits, so plain
+        takes somewhat longer); None until plain's one-token forward is timed."""
+        if self.plain_row_s is None:
+            return None
+        return self.prefill_s + self.tokens * self.plain_row_s - (self.clock() - self.started)
+
+    def _ahead(self) -> bool:
+        ahead = self.ahead_s()
+        return ahead is not None and ahead >= RESERVE_STEPS * self.plain_row_s
+
+    def may_learn(self) -> bool:
+        """Whether the call may spend time on learning (wide steps in forms being timed, prefills in trial forms,
+        weight copies): while ahead of plain `generate` by RESERVE_STEPS one-token forwards, or once it has run
+        LEARN_ANYWAY seconds."""
+        return self._ahead() or self.clock() - self.started >= LEARN_ANYWAY
 
     def handles(self, rows: int) -> bool:
         """Whether these trials compute products of `rows` rows (pending, or settled by them in this call); a
-        prefill's row counts not in a call's first WIDER_AFTER seconds (they compute in F.linear, as plain's)."""
+        prefill's row counts not while the call `may_learn` (they compute in F.linear, as plain's)."""
         n = row_bucket(rows)
-        if n > PACK_ROWS and n in self.pending and self._young():
+        if n > PACK_ROWS and n in self.pending and not self.may_learn():
             return False
         return n in self.pending or n in self.learnt
 
     def one_token_steps(self) -> bool:
         """Whether steps should verify one token for now: the forms of wider verify forwards are still to be
-        learnt, and the call began less than WIDER_AFTER seconds ago. Learning them costs wide steps in forms
-        still being timed and the weight copies (0.2-0.4 s for SmolLM2 on the AVX-512-bf16 EPYC), which a short
-        answer never earns back; one-token steps in the form learnt for one row already beat plain decoding
-        (1.5x there). A call that runs longer learns them then."""
-        return self._young() and any(n in self.pending for n in ROW_COUNTS if 1 < n <= PACK_ROWS)
+        learnt, and the call may not spend on learning yet (`may_learn`). Learning them costs wide steps in
+        forms still being timed and the weight copies (0.2-0.4 s for SmolLM2 on the AVX-512-bf16 EPYC), which a
+        short answer never earns back; one-token steps in the form learnt for one row already beat plain
+        decoding (1.6x there), and what they gain pays for the learning."""
+        return not self.may_learn() and any(n in self.pending for n in ROW_COUNTS if 1 < n <= PACK_ROWS)
 
     def finished(self) -> bool:
         """Whether the forms are final: every row count up to PACK_ROWS (verify forwards) settled. Row counts
@@ -189,7 +226,8 @@ class FormTrials:
 
     def _one_row_product(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """A one-row product while one row is pending: a forward starting at the base's first layer takes the
-        next form to time (each form once untimed first, then SAMPLES times), and is timed to the end of its
+        next form to time (each form once untimed first, then SAMPLES times, or once where it takes NATIVE_BEHIND
+        times another's time: F.linear's forwards run no faster than plain's), and is timed to the end of its
         output embedding's product; products outside such a forward (the heads') take the fastest so far."""
         first, last = self.row_ends
         if id(layer) == first:
@@ -199,7 +237,7 @@ class FormTrials:
                 # the copy form joins once its copies are made: the others are timed again beside it, as the
                 # forwards timed before ran over shorter texts
                 timed.clear()
-            todo = [f for f in forms if len(timed[f]) < SAMPLES]
+            todo = [f for f in forms if not self._done(timed, f)]
             form = min(todo, key=lambda f: len(timed[f]) + ((1, f) in self.warm)) if todo else self._one_row_best()
             self.forward = (form, self.clock())
             self.unsettled += bool(todo)
@@ -210,8 +248,11 @@ class FormTrials:
             self.forward = None
             if (1, form) not in self.warm:  # the first forward in a form builds kernels and caches
                 self.warm.add((1, form))
-            elif len(self.one_row[form]) < SAMPLES:
-                self.one_row[form].append(self.clock() - start)
+            elif not self._done(self.one_row, form):
+                seconds = self.clock() - start
+                self.one_row[form].append(seconds)
+                if form == LINEAR:
+                    self.plain_row_s = min(seconds, self.plain_row_s or seconds)
                 self._settle_one_row()
         return out
 
@@ -220,10 +261,10 @@ class FormTrials:
         return min(timed, key=lambda f: min(self.one_row[f]), default=LINEAR)
 
     def _settle_one_row(self) -> None:
-        """Settle one row once every form (the copy form too, where one row tries it) is timed SAMPLES times:
+        """Settle one row once every form (the copy form too, where one row tries it) is timed enough (`_done`):
         the fastest whole forward, taking at most MIN_GAIN of F.linear's (the copy form, unless wider row counts
         keep its copies already, COPY_GAIN of the best without a copy)."""
-        if any(len(self.one_row[f]) < SAMPLES for f in self.candidates[1]):
+        if any(not self._done(self.one_row, f) for f in self.candidates[1]):
             return
         ms = {f: 1000 * min(self.one_row[f]) for f in self.candidates[1] if self.one_row[f]}
         without = min((f for f in ms if f not in COPIES), key=ms.get)
@@ -276,7 +317,7 @@ class FormTrials:
 
     def _stacked(self, layer: nn.Linear, form: str) -> _Stacked | None:
         """The product of `layer`'s group (`shared_input_groups`) from its stacked copy, made now where missing,
-        when the group's first layer computes and the copies made so far took at most COPY_ALLOWANCE of the time."""
+        when the group's first layer computes and a copy may be made (`_may_copy`)."""
         group = self.group_of.get(id(layer))
         if group is None or group[0] in self.copies.apart:
             return None
@@ -291,14 +332,13 @@ class FormTrials:
         return self.stacked_products[group[0]]
 
     def _copy(self, layer: nn.Linear, form: str, shape: tuple, timing: bool = False) -> torch.Tensor | None:
-        """The layer's copy for `form`, made now if missing and the copies made so far took at most
-        COPY_ALLOWANCE of the call's time. Where one cannot be made (no room within the copies'
+        """The layer's copy for `form`, made now if missing and one may be made (`_may_copy`). Where one cannot be made (no room within the copies'
         limit, or a weight the form cannot copy), the shape is not timed in that form. A layer a stacked copy
         holds (`linear_forms`) gets one of its own only to be timed (`timing`), dropped once its row count settles."""
         copy = self.copies.get(layer, form)
         if copy is None and not timing and layer in self.copies.stacked:  # a stacked copy holds its weight
             return None
-        if copy is None and (shape, form) not in self.uncopied and self._may_copy(timing):
+        if copy is None and (shape, form) not in self.uncopied and self._may_copy():
             self._making(self.copies.prepare, [layer], form)
             copy = self.copies.get(layer, form)
             if copy is None:
@@ -307,14 +347,13 @@ class FormTrials:
                 self.timing_copies.append(layer)
         return copy
 
-    def _may_copy(self, timing: bool = False) -> bool:
-        """Whether the copies this call made took at most COPY_ALLOWANCE of the time since it began;
-        but for copies a product is to be timed with, not before WIDER_AFTER seconds (see `one_token_steps`)."""
+    def _may_copy(self) -> bool:
+        """Whether a copy may be made now: while the call is ahead of plain (`may_learn`), or past LEARN_ANYWAY
+        seconds while the copies it made took at most COPY_ALLOWANCE of its time."""
+        if self._ahead():
+            return True
         elapsed = self.clock() - self.started
-        return (timing or elapsed >= WIDER_AFTER) and self.copy_s <= COPY_ALLOWANCE * elapsed
-
-    def _young(self) -> bool:
-        return self.clock() - self.started < WIDER_AFTER
+        return elapsed >= LEARN_ANYWAY and self.copy_s <= COPY_ALLOWANCE * elapsed
 
     def _making(self, make, layers: list, form: str) -> None:
         """`make(layers, form)` (a `WeightCopies.prepare*`), its time counted against the allowance."""

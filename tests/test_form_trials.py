@@ -66,25 +66,54 @@ def test_a_first_call_learns_the_forms_from_its_own_products_and_stays_exact(arc
     assert stored.ms  # the verify costs the calls timed stay
 
 
-def test_a_first_call_verifies_one_token_a_step_until_it_has_run_long_enough_to_learn_wider_forms(
+def test_a_first_call_verifies_one_token_a_step_until_it_is_ahead_of_plain_enough_to_learn_wider_forms(
         monkeypatch, tmp_path):
-    """While wider forms are still to be learnt, a call's first WIDER_AFTER seconds verify one token a step
-    (learning them costs more than a short answer earns back); a call past that learns them, drafting again.
-    Greedy output stays the base's either way."""
+    """While wider forms are still to be learnt, a call verifies one token a step until it runs ahead of plain
+    `generate` by RESERVE_STEPS one-token forwards (learning them costs more than a short answer earns back); a
+    call that gets ahead learns them, drafting again. Greedy output stays the base's either way."""
     base = tiny_model("llama")
     clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
     budget = DraftBudget(cache_dir=tmp_path)
     ids = prompt(3)
     ref = base.generate(ids, max_new_tokens=24, do_sample=False)
-    monkeypatch.setattr(form_trials, "WIDER_AFTER", 1e9)  # every call short
+    monkeypatch.setattr(form_trials, "RESERVE_STEPS", 1e9)  # never far enough ahead
+    monkeypatch.setattr(form_trials, "LEARN_ANYWAY", 1e9)
     assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=budget), ref)
     stats = clover.generation_stats
     assert stats.verified_per_step == 1.0 and stats.head_drafts == 0
     (trials,) = budget._trials.values()
     assert {2, 4, 8, 16} <= trials.pending and trials.one_token_steps()
-    monkeypatch.setattr(form_trials, "WIDER_AFTER", 0.0)  # every call long
+    assert trials.plain_row_s is not None and trials.tokens == 23  # the tokens after the prefill's
+    monkeypatch.setattr(form_trials, "RESERVE_STEPS", -1e9)  # always ahead enough
     assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=budget), ref)
     assert clover.generation_stats.verified_per_step > 1.0 and not trials.one_token_steps()
+
+
+def test_a_call_learns_only_while_ahead_of_plain_by_its_reserve():
+    """What the call is ahead of plain `generate` by: plain's prefill (the call's own) and a one-token forward in
+    F.linear per token, less the call's time. It learns while that holds RESERVE_STEPS forwards, or past
+    LEARN_ANYWAY seconds; what it spends brings it back to one-token steps."""
+    model = tiny_model("llama")
+    clock = FakeClock(None)
+    trials = FormTrials([model], WeightCopies(), clock=clock)
+    trials.next_call()
+    trials.prefilled(0.05)
+    clock.now += 0.05
+    for _ in range(3):  # before plain's one-token forward is timed, nothing is known
+        trials.emitted(1)
+        clock.now += 0.015
+    assert trials.ahead_s() is None and trials.one_token_steps()
+    trials.plain_row_s = 0.025  # plain 25 ms a token, the call's one-token steps 15
+    assert trials.ahead_s() == pytest.approx(3 * 0.010)
+    while trials.one_token_steps():
+        trials.emitted(1)
+        clock.now += 0.015
+    assert trials.ahead_s() >= form_trials.RESERVE_STEPS * 0.025 > trials.ahead_s() - 0.010
+    clock.now += 0.040  # a dear wide step in forms being timed, for one token
+    trials.emitted(1)
+    assert trials.one_token_steps()
+    clock.now = trials.started + form_trials.LEARN_ANYWAY  # a long call learns anyway
+    assert not trials.one_token_steps()
 
 
 def load_costs_all(cache_dir) -> dict[str, CostModel]:
@@ -155,9 +184,10 @@ def test_a_form_far_behind_is_timed_once_and_atens_kernel_only_at_one_row(monkey
     assert all(NATIVE not in trials.candidates[n] for n in trials.candidates if n > 1)
 
 
-def test_copies_are_made_one_layer_at_a_time_within_their_share_of_the_time(monkeypatch):
-    """A copy form is timed from copies made as products need them, while their making took at most
-    COPY_ALLOWANCE of the time since the first product; where none may be made yet, other forms are timed."""
+def test_copies_are_made_one_layer_at_a_time_while_the_call_is_ahead_of_plain(monkeypatch):
+    """A copy form is timed from copies made as products need them, one layer at a time, while the call is ahead
+    of plain `generate` by its reserve (what it spends on them brings it back); where none may be made, other
+    forms are timed."""
     from clover_hf.linears import onednn_packs
 
     if not onednn_packs():
@@ -176,25 +206,37 @@ def test_copies_are_made_one_layer_at_a_time_within_their_share_of_the_time(monk
         real(layers, form)
 
     monkeypatch.setattr(copies, "prepare", prepare)
-    trials = FormTrials([model], copies, clock=clock)
+    trials = FormTrials([model], copies, plain_row_s=0.050, clock=clock)  # plain: 50 ms a token
     assert trials.copy_kind in COPIES
+    trials.next_call()
+    reserve = form_trials.RESERVE_STEPS * trials.plain_row_s
     with linear_forms([model], {}, copies, trials):
-        for _ in range(40):
+        for _ in range(5):  # no token yet: behind plain, no copy
             forward_rows(model, 4)
+        assert not made and copy_form_timed(done, trials) == 0
+        for _ in range(40):  # a token a forward, each forward's products taking less than plain's 50 ms
+            trials.emitted(1)
+            before = len(made)
+            forward_rows(model, 4)
+            if len(made) > before:  # made while ahead by the reserve: at most the last copy and products past it
+                assert trials.ahead_s() >= reserve - 0.020
     assert made and set(made) == {1}  # one layer at a time
-    assert trials.copy_s <= form_trials.COPY_ALLOWANCE * (clock.now - trials.started) + 0.005
     assert trials.forms.get(4) == trials.copy_kind  # timed at 0.2x F.linear: chosen
-    # past WIDER_AFTER every product makes the copy its layer (or group) will compute from, whatever form it
-    # takes itself, until all are made: else only wide steps would make them
-    monkeypatch.setattr(form_trials, "WIDER_AFTER", 0.0)
+    # every product makes the copy its layer (or group) will compute from, whatever form it takes itself, until
+    # all are made: else only wide steps would make them
     done.clear()
     with linear_forms([model], {}, copies, trials):
         for _ in range(200):
             if trials.copied():
                 break
+            trials.emitted(1)
             forward_rows(model, 1)
     in_copies = sum(form == trials.copy_kind for _, form in done)  # one row: timed once per shape, then dropped
     assert trials.copied() and in_copies < len(trials.units)
+
+
+def copy_form_timed(done: list[tuple[int, str]], trials: FormTrials) -> int:
+    return sum(form == trials.copy_kind for _, form in done)
 
 
 def test_stored_forms_and_pending_row_counts_survive_the_cache_file(tmp_path):
@@ -244,8 +286,9 @@ def test_a_batch_finding_verify_row_counts_still_pending_times_the_forms_apart(t
 def test_one_row_is_learnt_from_whole_forwards_each_in_one_form(monkeypatch):
     """One row is timed by whole one-token forwards (per product, W @ x.T was timed faster in float32 while
     one-token steps ran slower with it): every product of a forward from the base's first layer to its output
-    embedding takes one form, each form is timed SAMPLES times after one untimed forward, and the fastest
-    settles. The heads' one-row products between forwards take the fastest so far."""
+    embedding takes one form, each form is timed SAMPLES times after one untimed forward (once where it takes
+    NATIVE_BEHIND times another's time), and the fastest settles. The heads' one-row products between forwards
+    take the fastest so far. F.linear's forward is plain `generate`'s: its time is kept."""
     model = tiny_model("llama")
     clock = FakeClock(lambda rows, form: {LINEAR: 1.0, TRANSPOSED: 0.5}.get(form, 2.0))
     done = fake_products(monkeypatch, clock)
@@ -258,9 +301,12 @@ def test_one_row_is_learnt_from_whole_forwards_each_in_one_form(monkeypatch):
     assert len(done) == forwards * per_forward
     forms_of = [{form for _, form in done[k:k + per_forward]} for k in range(0, len(done), per_forward)]
     assert all(len(forms) == 1 for forms in forms_of)  # one form a forward
-    assert [next(iter(f)) for f in forms_of].count(TRANSPOSED) == SAMPLES + 1
+    order = [next(iter(f)) for f in forms_of]
+    assert order[:4] == [LINEAR, TRANSPOSED, LINEAR, TRANSPOSED]  # each untimed, then timed in turn
+    assert order.count(LINEAR) == 2  # timed once at twice W @ x.T's time: not again
     assert 1 not in trials.pending and trials.forms[1] == TRANSPOSED
     assert trials.totals[1][TRANSPOSED] == pytest.approx(0.5 * trials.totals[1][LINEAR])
+    assert trials.plain_row_s == pytest.approx(trials.totals[1][LINEAR] / 1000)
 
 
 def test_trials_are_ready_once_verify_row_counts_settled_and_their_copies_are_made():

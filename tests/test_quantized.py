@@ -60,7 +60,7 @@ def test_bf16_quantized_lm_head_gives_int8_draft_rows(config):
     """The draft rows are the quantized lm_head read back, then quantized to int8 rows of our own."""
     base = quantized_tiny("llama", config, torch.bfloat16)
     clover, _ = random_heads(base, draft_vocab_size=64)
-    clover.generate(prompt(4), max_new_tokens=20, do_sample=False)
+    clover.generate(prompt(4), max_new_tokens=20, do_sample=False, budget="full")  # drafting every step
     check_stats(clover.generation_stats, new_tokens=20)
     rows = clover.clover_heads._lm_head_rows[-1]
     assert rows.weight.dtype == torch.int8 and rows.weight.shape == (64, base.config.hidden_size)
