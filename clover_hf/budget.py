@@ -32,7 +32,7 @@ import torch
 
 from .hardware import available_memory, cpu_capability, cpu_name
 from .form_trials import FormTrials
-from .linears import PACK_ROWS, WeightCopies, copy_form
+from .linears import ONE_ROW_GAIN, PACK_ROWS, WeightCopies, copy_form
 from .quantized import quantization
 from .user_cache import default_cache_dir
 from .verify_forward import bucket
@@ -183,6 +183,18 @@ class CostModel:
         return cls(curves, forms={int(n): str(f) for n, f in forms.items()} if isinstance(forms, dict) else None,
                    pending=[int(n) for n in pending] if isinstance(pending, list) else None,
                    plain_row_ms=float(plain_row) if isinstance(plain_row, (int, float)) else None)
+
+
+def _plain_row_s(costs: CostModel) -> float | None:
+    """Seconds of plain `generate`'s one-token forward: as the form trials timed it, else (forms timed apart) at
+    least a one-token step's, over ONE_ROW_GAIN where one row took another form than F.linear (chosen only
+    where it took at most that share of F.linear's time); None where neither is known."""
+    if costs.plain_row_ms is not None:
+        return costs.plain_row_ms / 1000
+    one_token = costs.ms.get(1, {}).get(1)
+    if one_token is None:
+        return None
+    return one_token / 1000 / (ONE_ROW_GAIN if (costs.forms or {}).get(1) else 1.0)
 
 
 def cost_key(model: torch.nn.Module, device: torch.device) -> str:
@@ -451,6 +463,7 @@ class DraftBudget:
         self._costs: dict[str, CostModel] = {}
         self._acceptance: dict[tuple, AcceptanceModel] = {}
         self._trials: dict[str, FormTrials] = {}  # forms being learnt from calls' products, per machine key
+        self._provided: set[str] = set()  # machine keys whose forms' weight copies the trials made in `copies`
         self.gate = HeadsGate()
 
     def one_token(self) -> "DraftBudget":
@@ -482,6 +495,7 @@ class DraftBudget:
         """The weight copies `forms` (and `trials`) compute from, bounded by `copy_limit` (freed when they use none)."""
         if copy_form(forms) is None and trials is None:
             self.copies.clear()
+            self._provided.clear()
             return None
         self.copies.limit = self.copy_limit()
         return self.copies
@@ -517,36 +531,39 @@ class DraftBudget:
 
     def form_trials(self, key: str, calibrate: bool | None, models: list[torch.nn.Module]) -> FormTrials | None:
         """The forms for `key` learnt from this call's own products (`form_trials`), where none are stored
-        or some row counts are still pending, and the call may measure (calibrate None); else None (the
-        forms come from `forms`). CPU only. One `FormTrials` serves the calls of a process until every
-        row count has settled; its forms are stored after each call (`keep_learnt`)."""
+        or some row counts are still pending, or the weight copies the stored forms compute from are still to
+        be made in this process (the trials make them while the call is ahead of plain `generate`: made all at
+        once, SmolLM2's took 110 ms, half a short call), and the call may measure (calibrate None); else None
+        (the forms come from `forms`). CPU only. One `FormTrials` serves the calls of a process until every
+        row count has settled and its copies are made; its forms are stored after each call (`keep_learnt`)."""
         if self.fixed is not None or calibrate is not None:
             return None
         costs = self.stored(key)
-        if costs.forms is not None and not costs.pending:
+        if costs.forms is not None and not costs.pending and (copy_form(costs.forms) is None or key in self._provided):
             return None
         if next(models[0].parameters()).device.type != "cpu":
             return None
         trials = self._trials.get(key)
         if trials is None or not trials.serves(models):
             self.copies.limit = self.copy_limit()
-            pending = None if costs.forms is None else set(costs.pending)
-            plain_row_s = None if costs.plain_row_ms is None else costs.plain_row_ms / 1000
-            trials = self._trials[key] = FormTrials(models, self.copies, costs.forms, pending, plain_row_s)
+            pending = None if costs.forms is None else set(costs.pending or ())
+            trials = self._trials[key] = FormTrials(models, self.copies, costs.forms, pending, _plain_row_s(costs))
         trials.next_call()
         return trials
 
     def keep_learnt(self, key: str, trials: FormTrials) -> None:
-        """Store the forms `trials` learnt for `key` and the row counts still pending (none once `finished`).
-        Trials only ever settle on forms faster than those the verify costs were timed under: the costs
+        """Store the forms `trials` learnt for `key`, the row counts still pending (none once `finished`) and
+        plain's one-token forward; the trials end once `ready` (their copies made). Trials only ever settle on forms faster than those the verify costs were timed under: the costs
         stay, and the steps that time them bring them down (dropping them would time every width again)."""
         if self.fixed is None:
             costs = self.stored(key)
             done = trials.finished()
             costs.forms, costs.pending = dict(trials.forms), None if done else sorted(trials.pending)
-            costs.plain_row_ms = None if done or trials.plain_row_s is None else 1000 * trials.plain_row_s
-            if done:
+            if trials.plain_row_s is not None:
+                costs.plain_row_ms = 1000 * trials.plain_row_s
+            if trials.ready():
                 self._trials.pop(key, None)
+                self._provided.add(key)
 
     def share_forms(self, key: str, forms: dict[int, str], learning: bool = False) -> None:
         """Costs under `key` are timed in `forms` (measured for it, or under another key: another cache on the

@@ -354,12 +354,13 @@ def _draft(rows: list[Row], plan: _Plan, budget: StepBudget | None, stats: Gener
            ) -> tuple[list[Draft], list[torch.Tensor]]:
     """Each row's tree for this step and its lookup chain: drafted by the heads with the chain below the
     root (or the chain alone, while the budget pauses the heads), cut by the budget to what pays."""
-    started = time.perf_counter()
     with_heads = budget is None or budget.drafting()
+    lm_head = plan.lm_head if with_heads else None  # made at the first draft: not part of what drafting costs
+    started = time.perf_counter()
     spec, trees = budget.shallower(plan.spec, plan.trees) if with_heads and budget else (plan.spec, plan.trees)
     drafts, chains, augment_s, augmented = draft_rows(
         rows, plan.heads if with_heads else None, spec, trees, None if budget is None else plan.lookup_max,
-        plan.max_length, plan.embed, plan.lm_head if with_heads else None)
+        plan.max_length, plan.embed, lm_head)
     stats.head_drafts += with_heads
     clock.lap("draft")
     if budget is not None:

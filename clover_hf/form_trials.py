@@ -102,6 +102,8 @@ class FormTrials:
         self.group_of = {id(m): group for group in shared_input_groups(models) for m in group}
         self.units = _units(models)  # products as `linear_forms` computes them: a group stacked, else a layer
         self._copied_all = False  # every unit has its copy for the copy form (or cannot have one)
+        self.providing = False  # the call began with copies the settled forms compute from still to make
+        self.used: set[int] = set()  # the layers (by id) that computed products here
         self.stacked_products: dict[nn.Linear, _Stacked] = {}  # by a group's first layer, in this call
         self.copy_s = 0.0  # seconds spent making copies in this call
         # products computed otherwise than a settled step computes them (timed or untimed trials, a copy made,
@@ -128,11 +130,13 @@ class FormTrials:
 
     def next_call(self) -> None:
         """A new call starts: the row counts settled so far are the forms' (`linear_forms` computes them, from
-        stacked copies where the form has them); these trials compute the pending ones."""
+        stacked copies where the form has them); these trials compute the pending ones, and every product
+        while copies the settled forms compute from are still to be made (`providing`)."""
         self.learnt.clear()
         self.stacked_products = {}
         self.started, self.copy_s = self.clock(), 0.0
         self.prefill_s, self.tokens = 0.0, 0
+        self.providing = not self.copied()
 
     def prefilled(self, seconds: float) -> None:
         """The call's prefill took `seconds`: plain `generate` computes the same one."""
@@ -161,20 +165,22 @@ class FormTrials:
         return self._ahead() or self.clock() - self.started >= LEARN_ANYWAY
 
     def handles(self, rows: int) -> bool:
-        """Whether these trials compute products of `rows` rows (pending, or settled by them in this call); a
-        prefill's row counts not while the call `may_learn` (they compute in F.linear, as plain's)."""
+        """Whether these trials compute products of `rows` rows: pending, settled by them in this call, or any
+        while `providing` copies; a prefill's pending row counts not before the call `may_learn` (they compute
+        in F.linear, as plain's)."""
         n = row_bucket(rows)
         if n > PACK_ROWS and n in self.pending and not self.may_learn():
             return False
-        return n in self.pending or n in self.learnt
+        return self.providing or n in self.pending or n in self.learnt
 
     def one_token_steps(self) -> bool:
         """Whether steps should verify one token for now: the forms of wider verify forwards are still to be
-        learnt, and the call may not spend on learning yet (`may_learn`). Learning them costs wide steps in
+        learnt (or the copies they compute from made), and the call may not spend on learning yet (`may_learn`). Learning them costs wide steps in
         forms still being timed and the weight copies (0.2-0.4 s for SmolLM2 on the AVX-512-bf16 EPYC), which a
         short answer never earns back; one-token steps in the form learnt for one row already beat plain
         decoding (1.6x there), and what they gain pays for the learning."""
-        return not self.may_learn() and any(n in self.pending for n in ROW_COUNTS if 1 < n <= PACK_ROWS)
+        learning = self.providing or any(n in self.pending for n in ROW_COUNTS if 1 < n <= PACK_ROWS)
+        return learning and not self.may_learn() and not self.ready()
 
     def finished(self) -> bool:
         """Whether the forms are final: every row count up to PACK_ROWS (verify forwards) settled. Row counts
@@ -193,10 +199,12 @@ class FormTrials:
     def product(self, layer: nn.Linear, x: torch.Tensor, rows: int) -> torch.Tensor:
         """`layer(x)` for `rows` rows: in the settled form, or in the next form to time (timed)."""
         n, shape = row_bucket(rows), self.shape_of[id(layer)]
+        self.used.add(id(layer))
         if not self._copied_all and self.copy_kind in self.forms.values():
             self._provide(layer, shape)
-        if n in self.learnt:
-            return self._compute(layer, x, self.forms.get(n, LINEAR), self.fallback[n])
+        if n in self.learnt or n not in self.pending:
+            form = self.forms.get(n, LINEAR)
+            return self._compute(layer, x, form, self.fallback.get(n, WITHOUT_COPY.get(form, form)))
         if n == 1 and self.row_ends is not None:
             return self._one_row_product(layer, x)
         self.seen[n].add(shape)
@@ -279,14 +287,16 @@ class FormTrials:
             self.forms[1] = best
 
     def _all_copied(self) -> bool:
-        """Whether every layer (or stacked group) has its copy for the copy form, or cannot have one."""
+        """Whether every layer (or stacked group) that has computed here has its copy for the copy form, or
+        cannot have one; False before any has. A layer no call ran (SmolLM2's fourth head under a three-deep
+        tree) gets its copy when it first computes, or as a later call's `linear_forms` begins."""
         kind = self.copy_kind
-        if not self._copied_all and kind is not None:
+        if not self._copied_all and kind is not None and self.used:
             self._copied_all = all(
                 len(unit) > 1 and self.copies.get_fused(unit, kind) is not None
                 or all(self.copies.get(m, kind) is not None or (self.shape_of[id(m)], kind) in self.uncopied
                        for m in unit)
-                for unit in self.units)
+                for unit in self.units if any(id(m) in self.used for m in unit))
         return self._copied_all
 
     def _compute(self, layer: nn.Linear, x: torch.Tensor, form: str, without: str) -> torch.Tensor:

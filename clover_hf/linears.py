@@ -692,7 +692,7 @@ def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: Weight
     against its weight at every product took ~2 ms of a SmolLM2 verify forward on the AVX2 EPYC): the
     weights must not change within the block, as they do not within a `generate` call.
     `trials` (`form_trials.FormTrials`): products of the row counts it has still to learn (or learnt
-    within the block) are computed and timed by it instead."""
+    within the block) are computed and timed by it instead, and it makes the copies missing."""
     if not forms and trials is None:
         yield
         return
@@ -702,7 +702,8 @@ def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: Weight
     stacked: dict[int, _Stacked] = {}
     if copies is not None and kind is not None:
         units = _units(models, copies.apart)
-        copies.prepare_units(units, kind)
+        if trials is None:  # else the trials make them, as the call can afford them
+            copies.prepare_units(units, kind)
         for group in (u for u in units if len(u) > 1):
             entry = copies.get_fused(group, kind)
             if entry is not None:

@@ -320,3 +320,35 @@ def test_trials_are_ready_once_verify_row_counts_settled_and_their_copies_are_ma
     if trials.copy_kind is not None:
         trials.forms[4] = trials.copy_kind
         assert not trials.ready()  # its copies not made yet
+
+
+def test_a_new_process_makes_the_stored_forms_copies_as_its_calls_get_ahead_of_plain(monkeypatch, tmp_path):
+    """Forms stored by an earlier process that compute from weight copies: a new process makes none as its first
+    call begins (SmolLM2's took 110 ms, half a short call), but as its calls get ahead of plain `generate`; its
+    steps verify one token until they are made. Greedy output stays the base's throughout."""
+    from clover_hf.budget import save_costs
+    from clover_hf.linears import PACKED, onednn_packs
+
+    if not onednn_packs():
+        pytest.skip("this torch build has no oneDNN: no blocked copies")
+    base = tiny_model("llama")
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
+    ids = prompt(3)
+    ref = base.generate(ids, max_new_tokens=24, do_sample=False)
+    assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=DraftBudget(cache_dir=tmp_path)), ref)
+    (key, stored), = load_costs_all(tmp_path).items()
+    stored.forms, stored.pending, stored.plain_row_ms = {2: PACKED, 4: PACKED, 8: PACKED, 16: PACKED}, None, 5.0
+    save_costs(key, stored, tmp_path)
+
+    budget = DraftBudget(cache_dir=tmp_path)  # a new process: no copies yet
+    monkeypatch.setattr(form_trials, "RESERVE_STEPS", 1e9)  # never ahead enough
+    monkeypatch.setattr(form_trials, "LEARN_ANYWAY", 1e9)
+    assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=budget), ref)
+    (trials,) = budget._trials.values()
+    assert trials.providing and budget.copies.nbytes == 0
+    assert clover.generation_stats.verified_per_step == 1.0  # wide steps would compute without their copies
+    monkeypatch.setattr(form_trials, "RESERVE_STEPS", -1e9)  # always ahead enough
+    assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=budget), ref)
+    assert budget.copies.nbytes > 0 and trials.copied() and not budget._trials  # made: the trials end
+    assert budget.form_trials(key, None, [base, clover.clover_heads]) is None
+    assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=budget), ref)
