@@ -162,7 +162,8 @@ def choose_nodes(drafts: list[Draft], acceptance: AcceptanceModel, costs: CostMo
     if forced:
         width = min(width, most or width)
     else:
-        width, tokens, ms = choose_width(chances, costs, explore, most)
+        overhead = 0.0 if draft_ms is None else gate.drafting_ms(*draft_ms)
+        width, tokens, ms = choose_width(chances, costs, explore, most, overhead)
     cut, cut_buckets = [], []
     for d, b, c in zip(drafts, buckets, chances):
         if width >= len(b):

@@ -478,3 +478,12 @@ def test_full_budget_verifies_the_whole_tree_in_the_forms_auto_uses():
     assert clover._draft_budget.copies.nbytes > 0  # multiplied from the budget's float32 copies
     assert same(clover.generate(ids, max_new_tokens=20, do_sample=False), ref)
     assert clover.generation_stats.verified_per_step < 2  # "auto" cuts where verifying costs a forward a token
+
+
+def test_drafting_cost_spread_over_more_tokens_makes_wider_widths_pay():
+    """A step's drafting costs the same whatever the width: counted in the rate, it shifts the choice wider."""
+    costs = CostModel.from_function(lambda rows, w: 10.0 + 1.0 * w, max_width=16)
+    chances = [[0.9, 0.5, 0.3, 0.2, 0.15, 0.1, 0.05, 0.05]]
+    narrow, _, _ = choose_width(chances, costs)
+    wide, _, ms = choose_width(chances, costs, overhead_ms=20.0)
+    assert (narrow, wide) == (5, 7) and ms == pytest.approx(17.0)  # the verify step's own cost
