@@ -17,6 +17,7 @@ from clover_hf.budget import (
     COSTS_FILE,
     HEAD_BINS,
     MIN_PAUSE,
+    PROBE_STEPS,
     AcceptanceModel,
     HeadsGate,
     choose_width,
@@ -255,16 +256,32 @@ def test_likeliest_nodes_form_a_tree():
 
 
 def test_heads_gate_pauses_while_drafting_does_not_pay():
+    """Judged afresh (at first, and after each pause) over PROBE_STEPS drafting steps; then by its running gain."""
     gate = HeadsGate()
     assert gate.drafting()
-    gate.record(draft_ms=0.1, augment_ms=0.0, tokens=1.5, verify_ms=10.0, rate_without=0.2)  # 1.5/10.1 < 0.2
+    for _ in range(PROBE_STEPS):
+        assert gate.pause == 0
+        gate.record(draft_ms=0.1, augment_ms=0.0, tokens=1.5, verify_ms=10.0, rate_without=0.2)  # 1.5/10.1 < 0.2
     assert [gate.drafting() for _ in range(MIN_PAUSE + 1)] == [False] * MIN_PAUSE + [True]
-    gate.record(draft_ms=0.1, augment_ms=0.0, tokens=1.5, verify_ms=10.0, rate_without=0.2)
+    for _ in range(PROBE_STEPS):
+        gate.record(draft_ms=0.1, augment_ms=0.0, tokens=1.5, verify_ms=10.0, rate_without=0.2)
     assert [gate.drafting() for _ in range(2 * MIN_PAUSE + 1)] == [False] * (2 * MIN_PAUSE) + [True]  # doubled
+    for _ in range(PROBE_STEPS - 1):
+        gate.record(draft_ms=0.0, augment_ms=0.0, tokens=3.0, verify_ms=10.0, rate_without=0.2)
     gate.record(draft_ms=0.0, augment_ms=0.0, tokens=3.0, verify_ms=10.0, rate_without=0.2)  # pays now
     assert gate.drafting() and gate.next_pause == 2 * MIN_PAUSE  # halved with each step that pays
     gate.record(draft_ms=0.0, augment_ms=0.0, tokens=3.0, verify_ms=10.0, rate_without=0.2)
     assert gate.drafting() and gate.next_pause == MIN_PAUSE
+
+
+def test_one_step_whose_lookup_chain_alone_did_better_does_not_pause_the_heads():
+    """Where the heads pay on average, a step whose chain alone would have done better (text copying earlier text)
+    among the steps judged afresh does not pause them."""
+    gate = HeadsGate()
+    gate.record(draft_ms=1.0, augment_ms=0.0, tokens=1.2, verify_ms=18.0, rate_without=0.15)  # the chain did well
+    for _ in range(PROBE_STEPS - 1):
+        gate.record(draft_ms=1.0, augment_ms=0.0, tokens=2.2, verify_ms=20.0, rate_without=0.06)
+    assert gate.gain is not None and gate.gain > 0 and all(gate.drafting() for _ in range(10))
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
