@@ -338,7 +338,7 @@ def path_chances(rates: list[float], parents: list[int]) -> list[float]:
 
 
 def choose_width(chances: list[list[float]], costs: CostModel, explore: bool = False, most: int | None = None,
-                 overhead_ms: float = 0.0) -> tuple[int, float, float]:
+                 overhead_ms: float = 0.0, rate_floor: float = 0.0) -> tuple[int, float, float]:
     """The tokens per row to verify, with the most expected tokens per millisecond of the whole step.
 
     chances[b]: path chances of row b's drafted nodes (root excluded). A width w verifies each row's
@@ -347,20 +347,26 @@ def choose_width(chances: list[list[float]], costs: CostModel, explore: bool = F
     step costs besides its verify step, whatever the width (drafting): spread over more tokens, it makes
     wider widths pay (left out, on the AVX-512-bf16 EPYC, side by side over 12 prompts: 1.99 against 2.07
     tokens a step, 2.35x against 2.46x plain `generate`; the whole tree every step then ran 0.99x the
-    budget). Returns (width, expected tokens of all rows, predicted ms of the verify step).
+    budget). `rate_floor`: tokens per ms decoding gets without this step's overhead (the lookup chain
+    alone): where the step's best rate falls short of it, each width's tokens are weighed against its
+    verify cost at that rate instead (the overhead is sunk; spreading it must not verify tokens that
+    cost more than they bring at the rate the other steps get). Returns (width, expected tokens of all
+    rows, predicted ms of the verify step).
     """
     rows = len(chances)
     limit = min(1 + max(len(c) for c in chances), most or float("inf"))
     gains = [[0.0, *accumulate(sorted(c, reverse=True))] for c in chances]
-    best = (1, 0.0, 1.0)
-    best_rate = -1.0
+    options = []  # (width, tokens, ms, the cost it is weighed by)
     for width in costs.widths(rows, limit):
-        tokens = sum(1 + g[min(width - 1, len(g) - 1)] for g in gains)
         ms = costs.predict(rows, width)
-        rate = tokens / (overhead_ms + (costs.price(rows, width) if explore else ms))
-        if rate > best_rate:
-            best, best_rate = (width, tokens, ms), rate
-    return best
+        options.append((width, sum(1 + g[min(width - 1, len(g) - 1)] for g in gains), ms,
+                        costs.price(rows, width) if explore else ms))
+    if not options:
+        return 1, 0.0, 1.0
+    width, tokens, ms, cost = max(options, key=lambda o: o[1] / (overhead_ms + o[3]))
+    if tokens / (overhead_ms + cost) < rate_floor:
+        width, tokens, ms, _ = max(options, key=lambda o: o[1] - rate_floor * o[3])
+    return width, tokens, ms
 
 
 def likeliest(chances: list[float], width: int) -> list[int]:

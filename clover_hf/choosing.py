@@ -162,8 +162,10 @@ def choose_nodes(drafts: list[Draft], acceptance: AcceptanceModel, costs: CostMo
     if forced:
         width = min(width, most or width)
     else:
-        overhead = 0.0 if draft_ms is None else gate.drafting_ms(*draft_ms)
-        width, tokens, ms = choose_width(chances, costs, explore, most, overhead)
+        overhead, without = 0.0, 0.0  # drafting's cost, and the rate of the lookup chain alone
+        if draft_ms is not None:
+            overhead, without = gate.drafting_ms(*draft_ms), chain_rate(chances, drafts, costs)
+        width, tokens, ms = choose_width(chances, costs, explore, most, overhead, without)
     cut, cut_buckets = [], []
     for d, b, c in zip(drafts, buckets, chances):
         if width >= len(b):
@@ -177,11 +179,16 @@ def choose_nodes(drafts: list[Draft], acceptance: AcceptanceModel, costs: CostMo
             cut.append(d.keep(nodes))
             cut_buckets.append([b[i] for i in nodes])
     if draft_ms is not None and not forced:
-        chain_only = [[x if chain else 0.0 for x, chain in zip(c, d.host[3][1:])] for c, d in zip(chances, drafts)]
-        _, chain_tokens, chain_ms = choose_width(chain_only, costs)
-        gate.record(*draft_ms, tokens, ms, chain_tokens / chain_ms)
+        gate.record(*draft_ms, tokens, ms, without)
         gate.used(max(depth for d in cut for depth, chain in zip(d.host[0], d.host[3]) if not chain))
     return cut, cut_buckets
+
+
+def chain_rate(chances: list[list[float]], drafts: list[Draft], costs: CostModel) -> float:
+    """Expected tokens per ms of the step with the lookup chain's nodes alone (what it gets without the heads)."""
+    chain_only = [[x if chain else 0.0 for x, chain in zip(c, d.host[3][1:])] for c, d in zip(chances, drafts)]
+    _, tokens, ms = choose_width(chain_only, costs)
+    return tokens / ms
 
 
 def measure_verify(model: PreTrainedModel, batch: Batch, token: torch.Tensor, verify: VerifyForward

@@ -504,3 +504,8 @@ def test_drafting_cost_spread_over_more_tokens_makes_wider_widths_pay():
     narrow, _, _ = choose_width(chances, costs)
     wide, _, ms = choose_width(chances, costs, overhead_ms=20.0)
     assert (narrow, wide) == (5, 7) and ms == pytest.approx(17.0)  # the verify step's own cost
+    # where each token costs a forward, the overhead spread over two tokens would tip the choice to a second one;
+    # not where the lookup chain alone (no overhead) gets more per ms: the overhead is sunk, the second token is not
+    steep = CostModel.from_function(lambda rows, w: 40.0 * w, max_width=16)
+    assert choose_width([[0.97, 0.5]], steep, overhead_ms=3.0)[0] == 2
+    assert choose_width([[0.97, 0.5]], steep, overhead_ms=3.0, rate_floor=1 / 40)[0] == 1
