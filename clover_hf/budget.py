@@ -580,8 +580,9 @@ class DraftBudget:
 
     def keep_learnt(self, key: str, trials: FormTrials) -> None:
         """Store the forms `trials` learnt for `key`, the row counts still pending (none once `finished`) and
-        plain's one-token forward; the trials end once `ready` (their copies made). Trials only ever settle on forms faster than those the verify costs were timed under: the costs
-        stay, and the steps that time them bring them down (dropping them would time every width again)."""
+        plain's one-token forward; the trials end once `ready` (their copies made). Trials only ever settle on
+        forms faster than those the verify costs were timed under: the costs stay, and the steps that time
+        them bring them down (dropping them would time every width again)."""
         if self.fixed is None:
             costs = self.stored(key)
             done = trials.finished()

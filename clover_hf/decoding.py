@@ -216,11 +216,11 @@ def clover_generate(
     # how this machine multiplies, for the whole call
     with linear_forms([model, clover_heads], plan.forms, copies, plan.trials):
         # Prefill: the prompts through the base; each row's hidden states wait for the heads' first draft.
-        started = time.perf_counter()
+        prefill_start = time.perf_counter()
         logits, hidden, positions, cache, plain_mask = prefill(model, input_ids, attention_mask, layout, pre_norm,
                                                                cache)
         if plan.trials is not None:
-            plan.trials.prefilled(time.perf_counter() - started)
+            plan.trials.prefilled(time.perf_counter() - prefill_start)
         stats.steps += 1
         rows = start_rows(input_ids, attention_mask, positions, logits, hidden, logits_processor, sample,
                           stopping_criteria, streamer, keep, plan.lookup, plan.embed)
