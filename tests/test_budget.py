@@ -356,6 +356,9 @@ def test_auto_budget_learns_its_costs_in_the_first_call_and_stays_exact(tmp_path
     # the forms timed apart, as where batches or calibrate=True time them: the costs alone are learnt from the
     # steps (forms learnt from products make the first steps provisional: see test_form_trials)
     monkeypatch.setattr(DraftBudget, "form_trials", lambda self, *args: None)
+    # a tiny model's steps take a millisecond or two: one hiccup (a CI run timed a 6-token step at 3x a one-token
+    # one) would end the exploring early, by the rule test_first_steps_stop_learning_wider_widths... checks
+    monkeypatch.setattr("clover_hf.choosing.EXPLORE_LIMIT", float("inf"))
     base = tiny_model("qwen2")
     clover = CloverForCausalLM.from_base(base, lookup_tokens=2, lookup_max_tokens=4)
     ids = prompt(7)
