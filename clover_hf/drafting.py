@@ -176,11 +176,12 @@ def no_deeper(draft: Draft, depth: int) -> Draft:
 
 
 def draft_rows(rows: list, heads: DraftHeads | None, spec, trees: list[TreeBuffers] | None, chain_len: int | None,
-               max_length: int, embed, lm_head: DraftLMHead | None) -> tuple[list[Draft], list[torch.Tensor], float, int]:
+               max_length: int, embed, lm_head: DraftLMHead | None
+               ) -> tuple[list[Draft], list[torch.Tensor], float, int]:
     """Each row's tree for this step: drafted by `heads` from the rows of `lm_head` with the lookup chain below
-    its root, or (heads and lm_head None) the chain alone, no deeper than the row's `max_length` leaves room for. `chain_len`: the chain's
-    length (None: each row's own). Returns the drafts, the chains, and the seconds and positions the
-    Augmenting Block spent catching up."""
+    its root, or (heads and lm_head None) the chain alone, no deeper than the row's `max_length` leaves room
+    for. `chain_len`: the chain's length (None: each row's own). Returns the drafts, the chains, and the seconds
+    and positions the Augmenting Block spent catching up."""
     drafts, chains = [], []
     augment_s, augmented = 0.0, 0
     for row in rows:

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from .linears import (COPIES, COPY_GAIN, LINEAR, MAX_ROWS, MIN_GAIN, NATIVE, NATIVE_BEHIND, ONE_ROW_GAIN, PACK_ROWS,
-                      WITHOUT_COPY, WeightCopies, _candidates, _linears, _Stacked, _units, copy_forms_for, float16_exact,
-                      form_linear, one_row_forms, shape_keys, shared_input_groups)
+                      WITHOUT_COPY, WeightCopies, _candidates, _linears, _Stacked, _units, copy_forms_for,
+                      float16_exact, form_linear, one_row_forms, shape_keys, shared_input_groups)
 
 SAMPLES = 3  # timings of each form per weight shape before a row count settles (the least counts: oneDNN's first
 # product of a new row count builds its kernel)
@@ -175,10 +175,10 @@ class FormTrials:
 
     def one_token_steps(self) -> bool:
         """Whether steps should verify one token for now: the forms of wider verify forwards are still to be
-        learnt (or the copies they compute from made), and the call may not spend on learning yet (`may_learn`). Learning them costs wide steps in
-        forms still being timed and the weight copies (0.2-0.4 s for SmolLM2 on the AVX-512-bf16 EPYC), which a
-        short answer never earns back; one-token steps in the form learnt for one row already beat plain
-        decoding (1.6x there), and what they gain pays for the learning."""
+        learnt (or the copies they compute from made), and the call may not spend on learning yet
+        (`may_learn`). Learning them costs wide steps in forms still being timed and the weight copies (0.2-0.4 s
+        for SmolLM2 on the AVX-512-bf16 EPYC), which a short answer never earns back; one-token steps in the form
+        learnt for one row already beat plain decoding (1.6x there), and what they gain pays for the learning."""
         learning = self.providing or any(n in self.pending for n in ROW_COUNTS if 1 < n <= PACK_ROWS)
         return learning and not self.may_learn() and not self.ready()
 
@@ -342,9 +342,10 @@ class FormTrials:
         return self.stacked_products[group[0]]
 
     def _copy(self, layer: nn.Linear, form: str, shape: tuple, timing: bool = False) -> torch.Tensor | None:
-        """The layer's copy for `form`, made now if missing and one may be made (`_may_copy`). Where one cannot be made (no room within the copies'
-        limit, or a weight the form cannot copy), the shape is not timed in that form. A layer a stacked copy
-        holds (`linear_forms`) gets one of its own only to be timed (`timing`), dropped once its row count settles."""
+        """The layer's copy for `form`, made now if missing and one may be made (`_may_copy`). Where one cannot
+        be made (no room within the copies' limit, or a weight the form cannot copy), the shape is not timed in
+        that form. A layer a stacked copy holds (`linear_forms`) gets one of its own only to be timed (`timing`),
+        dropped once its row count settles."""
         copy = self.copies.get(layer, form)
         if copy is None and not timing and layer in self.copies.stacked:  # a stacked copy holds its weight
             return None
