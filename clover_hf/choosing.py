@@ -67,10 +67,11 @@ class StepBudget:
         """The tree spec and static trees cut to the depth the heads' drafts have been used to lately."""
         return shallower(spec, trees, self.budget.gate.draft_depth(self.depth), self.lookup_max)
 
-    def choose(self, drafts: list[Draft], with_heads: bool, started: float, augment_s: float, augmented: int
-               ) -> list[Draft]:
+    def choose(self, drafts: list[Draft], with_heads: bool, started: float, augment_s: float, augmented: int,
+               lengths: list[int]) -> list[Draft]:
         """Each row's draft cut to the nodes that pay. `started`: when drafting began (perf_counter), of
-        which `augment_s` went to the Augmenting Block's catching up on `augmented` positions."""
+        which `augment_s` went to the Augmenting Block's catching up on `augmented` positions; `lengths`:
+        each row's text length so far (a batch's rows ahead of its last one gain the call nothing)."""
         draft_ms = None  # (drafting, Augmenting Block per position) in ms, when the heads drafted
         if with_heads and self.costs.draft_ms is not None:
             draft_ms = (self.costs.draft_ms, 0.0)
@@ -82,8 +83,9 @@ class StepBudget:
         self.exploring = bool(self.explore) and (self.cap is None or self.explore[0] <= self.cap)
         width = self.explore[0] if self.exploring else None  # taken off once its step is timed
         most = self.budget.widest if self.cap is None else min(self.budget.widest or self.cap, self.cap)
+        leads = [length - min(lengths) for length in lengths]
         drafts, self.buckets = choose_nodes(drafts, self.acceptance, self.costs, self.budget.gate, draft_ms,
-                                            explore=self.budget.fixed is None, most=most, width=width)
+                                            explore=self.budget.fixed is None, most=most, width=width, leads=leads)
         return drafts
 
     def accepted(self, row: int, draft: Draft, nodes: torch.Tensor) -> None:
@@ -143,29 +145,31 @@ class StepBudget:
 
 
 def choose_nodes(drafts: list[Draft], acceptance: AcceptanceModel, costs: CostModel, gate,
-                 draft_ms: tuple[float, float] | None, explore: bool, most: int | None = None, width: int | None = None
-                 ) -> tuple[list[Draft], list[list[int]]]:
+                 draft_ms: tuple[float, float] | None, explore: bool, most: int | None = None, width: int | None = None,
+                 leads: list[int] | None = None) -> tuple[list[Draft], list[list[int]]]:
     """Cut each row's draft to the nodes that pay: the width with the most expected tokens per
     millisecond under `costs` (`explore`: retrying widths untimed for long), each row keeping its
     likeliest nodes. Returns the cut drafts and each node's acceptance bucket. When the heads
     drafted (`draft_ms`: their drafting time, and the Augmenting Block's per position), tells
     `gate` how that compared with the chain alone. `most`: verify at most this many tokens per row;
     `width`: this many (or the whole draft), whatever the costs say (to learn that width's cost; the
-    gate then learns nothing)."""
-    buckets, chances = [], []
+    gate then learns nothing); `leads`: tokens each row of a batch is ahead of its last one."""
+    buckets, chances, node_depths = [], [], []
     for d in drafts:
         depths, parents, probs, is_chain = d.on_host()
         b = acceptance.buckets(depths, probs, is_chain, d.ngram)
         buckets.append(b)
         chances.append(path_chances(acceptance.rates(b), parents)[1:])
+        node_depths.append(depths[1:])
+    by_last_row = {"depths": node_depths, "leads": leads}
     forced = width is not None
     if forced:
         width = min(width, most or width)
     else:
         overhead, without = 0.0, 0.0  # drafting's cost, and the rate of the lookup chain alone
         if draft_ms is not None:
-            overhead, without = gate.drafting_ms(*draft_ms), chain_rate(chances, drafts, costs)
-        width, tokens, ms = choose_width(chances, costs, explore, most, overhead, without)
+            overhead, without = gate.drafting_ms(*draft_ms), chain_rate(chances, drafts, costs, by_last_row)
+        width, tokens, ms = choose_width(chances, costs, explore, most, overhead, without, **by_last_row)
     cut, cut_buckets = [], []
     for d, b, c in zip(drafts, buckets, chances):
         if width >= len(b):
@@ -184,10 +188,12 @@ def choose_nodes(drafts: list[Draft], acceptance: AcceptanceModel, costs: CostMo
     return cut, cut_buckets
 
 
-def chain_rate(chances: list[list[float]], drafts: list[Draft], costs: CostModel) -> float:
-    """Expected tokens per ms of the step with the lookup chain's nodes alone (what it gets without the heads)."""
+def chain_rate(chances: list[list[float]], drafts: list[Draft], costs: CostModel, by_last_row: dict | None = None
+               ) -> float:
+    """Expected tokens per ms of the step with the lookup chain's nodes alone (what it gets without the heads);
+    `by_last_row`: a batch's node depths and leads, as `choose_width` takes them."""
     chain_only = [[x if chain else 0.0 for x, chain in zip(c, d.host[3][1:])] for c, d in zip(chances, drafts)]
-    _, tokens, ms = choose_width(chain_only, costs)
+    _, tokens, ms = choose_width(chain_only, costs, **(by_last_row or {}))
     return tokens / ms
 
 

@@ -364,7 +364,8 @@ def _draft(rows: list[Row], plan: _Plan, budget: StepBudget | None, stats: Gener
     stats.head_drafts += with_heads
     clock.lap("draft")
     if budget is not None:
-        drafts = budget.choose(drafts, with_heads, started, augment_s, augmented)
+        drafts = budget.choose(drafts, with_heads, started, augment_s, augmented,
+                               [row.emitter.input_ids.shape[1] for row in rows])
         clock.lap("choose")
     return drafts, chains
 

@@ -21,6 +21,7 @@ from clover_hf.budget import (
     AcceptanceModel,
     HeadsGate,
     choose_width,
+    laggard_tokens,
     likeliest,
     load_costs,
     path_chances,
@@ -182,6 +183,28 @@ def test_choose_width_follows_the_costs():
     # two rows share the width: their expected tokens add up
     rows = [chances[0], [0.99, 0.98, 0.97, 0.96]]
     assert choose_width(rows, CostModel.from_function(lambda r, w: 10.0 + 2.0 * (w - 1)))[0] == 5
+
+
+def test_a_batch_counts_the_tokens_that_move_its_last_row():
+    """A call ends with its last row: tokens that take a row further ahead of it do not shorten the call."""
+    # two level rows, each with one drafted token at depth 1: both must accept it to move the last row by two
+    assert laggard_tokens([[0.5], [0.5]], [[1], [1]], [0, 0], [1, 2]) == {1: 1.0, 2: pytest.approx(1.25)}
+    # row 0 one token ahead: the step moves the last row (row 1) past row 0's start only if row 0 accepts too
+    chains = [[0.9, 0.8], [0.5, 0.4]]  # each row's chain: depths 1 and 2
+    depths = [[1, 2], [1, 2]]
+    assert laggard_tokens(chains, depths, [1, 0], [3])[3] == pytest.approx(1 + 0.5 + 0.4 * 0.9)
+    # a row as far ahead as the tree is deep never holds the last row back: its tokens count alone
+    assert laggard_tokens(chains, depths, [2, 0], [2, 3]) == {2: pytest.approx(1.5), 3: pytest.approx(1.9)}
+    # siblings exclude each other: the chances of a depth's kept nodes add up, in the order `likeliest` keeps them
+    assert laggard_tokens([[0.3, 0.6, 0.2], [0.3, 0.6, 0.2]], [[1, 1, 2], [1, 1, 2]], [0, 0], [2, 3, 4]) == {
+        2: pytest.approx(1 + 0.36), 3: pytest.approx(1 + 0.81), 4: pytest.approx(1 + 0.81 + 0.04)}
+    # in choose_width: a likely token in one row and an unlikely one in the other pay by the rows' sum, not
+    # by the last row; once the unlikely row is ahead, the likely one is the last and its token pays
+    costs = CostModel.from_function(lambda rows, w: 10.0 + 3.0 * (w - 1), max_width=2)
+    split, level = [[0.9], [0.1]], {"depths": [[1], [1]]}
+    assert choose_width(split, costs)[0] == 2  # 3.0 tokens in 13 ms against 2 in 10
+    assert choose_width(split, costs, leads=[0, 0], **level)[:2] == (1, 1.0)  # 1.09 in 13 ms against 1 in 10
+    assert choose_width(split, costs, leads=[0, 1], **level)[:2] == (2, pytest.approx(1.9))
 
 
 def _run_budget(costs: CostModel, true_ms, chances: list[list[float]], steps: int, explore: bool
