@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from .budget import AcceptanceModel, CostModel, DraftBudget, choose_width, likeliest, path_chances
+from .budget import AcceptanceModel, CostModel, DraftBudget, choose_width, laggard_tokens, likeliest, path_chances
 from .cache import compact_cache
 from .drafting import Draft, shallower
 from .hardware import timed
@@ -72,21 +72,37 @@ class StepBudget:
         """Each row's draft cut to the nodes that pay. `started`: when drafting began (perf_counter), of
         which `augment_s` went to the Augmenting Block's catching up on `augmented` positions; `lengths`:
         each row's text length so far (a batch's rows ahead of its last one gain the call nothing)."""
-        draft_ms = None  # (drafting, Augmenting Block per position) in ms, when the heads drafted
+        # (drafting, the Augmenting Block per position, both together) in ms, when the heads drafted
+        draft_ms = None
         if with_heads and self.costs.draft_ms is not None:
-            draft_ms = (self.costs.draft_ms, 0.0)
+            draft_ms = (self.costs.draft_ms, 0.0, self.costs.draft_ms)
         elif with_heads:
             for draft in drafts:  # read now, not in the choice: off the CPU drafting runs until read
                 draft.on_host()
             drafting_s = time.perf_counter() - started - augment_s
-            draft_ms = (1000 * drafting_s, 1000 * augment_s / max(augmented, 1))
+            draft_ms = (1000 * drafting_s, 1000 * augment_s / max(augmented, 1), 1000 * (drafting_s + augment_s))
         self.exploring = bool(self.explore) and (self.cap is None or self.explore[0] <= self.cap)
         width = self.explore[0] if self.exploring else None  # taken off once its step is timed
         most = self.budget.widest if self.cap is None else min(self.budget.widest or self.cap, self.cap)
         leads = [length - min(lengths) for length in lengths]
-        drafts, self.buckets = choose_nodes(drafts, self.acceptance, self.costs, self.budget.gate, draft_ms,
-                                            explore=self.budget.fixed is None, most=most, width=width, leads=leads)
+        drafts, self.buckets, forced = choose_nodes(
+            drafts, self.acceptance, self.costs, self.budget.gate, draft_ms, explore=self.budget.fixed is None,
+            most=most, width=width, leads=leads, least=self._least_to_explore(len(lengths), width))
+        if self.exploring and not forced:  # not worth timing in this call: left to the choice (priced by the
+            self.explore.pop(0)  # nearest row count's costs) and to later calls
+            self.exploring = False
         return drafts
+
+    def _least_to_explore(self, rows: int, width: int | None) -> float | None:
+        """The expected tokens a batch's step must hold to be worth verifying `width` tokens a row to learn its
+        cost: as many as would pay if it cost what one row of as many tokens does (the cheapest it plausibly
+        costs). None (explore whatever the drafts): one row, or no one-row costs yet. At 8 rows on the
+        AVX-512-bf16 EPYC, widths 11 and 26 were timed this way at 99 and 135 ms for no token, a step in
+        twenty of the call's time."""
+        one_row = self.costs.ms.get(1, {})
+        if rows == 1 or width is None or 1 not in one_row:
+            return None
+        return self.costs.predict(1, rows * width) / self.costs.predict(1, rows)
 
     def accepted(self, row: int, draft: Draft, nodes: torch.Tensor) -> None:
         """Learn which of the row's verified nodes were accepted."""
@@ -145,15 +161,17 @@ class StepBudget:
 
 
 def choose_nodes(drafts: list[Draft], acceptance: AcceptanceModel, costs: CostModel, gate,
-                 draft_ms: tuple[float, float] | None, explore: bool, most: int | None = None, width: int | None = None,
-                 leads: list[int] | None = None) -> tuple[list[Draft], list[list[int]]]:
+                 draft_ms: tuple[float, float, float] | None, explore: bool, most: int | None = None,
+                 width: int | None = None, leads: list[int] | None = None, least: float | None = None
+                 ) -> tuple[list[Draft], list[list[int]], bool]:
     """Cut each row's draft to the nodes that pay: the width with the most expected tokens per
     millisecond under `costs` (`explore`: retrying widths untimed for long), each row keeping its
-    likeliest nodes. Returns the cut drafts and each node's acceptance bucket. When the heads
-    drafted (`draft_ms`: their drafting time, and the Augmenting Block's per position), tells
-    `gate` how that compared with the chain alone. `most`: verify at most this many tokens per row;
+    likeliest nodes. When the heads drafted (`draft_ms`: their drafting time, the Augmenting Block's per
+    position, and both together), tells `gate` how that compared with the chain alone. `most`: verify at most this many tokens per row;
     `width`: this many (or the whole draft), whatever the costs say (to learn that width's cost; the
-    gate then learns nothing); `leads`: tokens each row of a batch is ahead of its last one."""
+    gate then learns nothing), unless `least` is given and the step's expected tokens at that width fall
+    short of it; `leads`: tokens each row of a batch is ahead of its last one. Returns the cut drafts, each
+    node's acceptance bucket, and whether `width` was verified."""
     buckets, chances, node_depths = [], [], []
     for d in drafts:
         depths, parents, probs, is_chain = d.on_host()
@@ -164,11 +182,13 @@ def choose_nodes(drafts: list[Draft], acceptance: AcceptanceModel, costs: CostMo
     by_last_row = {"depths": node_depths, "leads": leads}
     forced = width is not None
     if forced:
-        width = min(width, most or width)
-    else:
+        width = min(width, most or width, 1 + max(len(c) for c in chances))
+        if least is not None and len(chances) > 1:
+            forced = laggard_tokens(chances, node_depths, leads, [width])[width] >= least
+    if not forced:
         overhead, without = 0.0, 0.0  # drafting's cost, and the rate of the lookup chain alone
         if draft_ms is not None:
-            overhead, without = gate.drafting_ms(*draft_ms), chain_rate(chances, drafts, costs, by_last_row)
+            overhead, without = gate.drafting_ms(*draft_ms[:2]), chain_rate(chances, drafts, costs, by_last_row)
         width, tokens, ms = choose_width(chances, costs, explore, most, overhead, without, **by_last_row)
     cut, cut_buckets = [], []
     for d, b, c in zip(drafts, buckets, chances):
@@ -183,9 +203,9 @@ def choose_nodes(drafts: list[Draft], acceptance: AcceptanceModel, costs: CostMo
             cut.append(d.keep(nodes))
             cut_buckets.append([b[i] for i in nodes])
     if draft_ms is not None and not forced:
-        gate.record(*draft_ms, tokens, ms, without)
+        gate.record(*draft_ms[:2], tokens, ms, without, spent_ms=draft_ms[2])
         gate.used(max(depth for d in cut for depth, chain in zip(d.host[0], d.host[3]) if not chain))
-    return cut, cut_buckets
+    return cut, cut_buckets, forced
 
 
 def chain_rate(chances: list[list[float]], drafts: list[Draft], costs: CostModel, by_last_row: dict | None = None

@@ -278,6 +278,25 @@ def test_likeliest_nodes_form_a_tree():
     assert prune(parents, depths, keep) == ([0, 0, 1, 2], [0, 1, 2, 3])
 
 
+def test_heads_gate_pauses_long_enough_that_judging_the_heads_again_costs_a_tenth_of_the_pause():
+    """Drafting that costs as much as a verify step (a batch's rows catching up together) is judged again only
+    after PROBE_STEPS * its cost / PROBE_SHARE of paused steps, not after MIN_PAUSE."""
+    from clover_hf.budget import MAX_PAUSE, PROBE_SHARE
+
+    gate = HeadsGate()
+    for _ in range(PROBE_STEPS):
+        gate.record(draft_ms=5.0, augment_ms=0.5, tokens=1.0, verify_ms=20.0, rate_without=0.05, spent_ms=18.0)
+    assert gate.pause == round(PROBE_STEPS * 18.0 / (PROBE_SHARE * 20.0)) == 36 and gate.next_pause == 72
+    cheap = HeadsGate()
+    for _ in range(PROBE_STEPS):
+        cheap.record(draft_ms=1.0, augment_ms=0.0, tokens=1.0, verify_ms=20.0, rate_without=0.06, spent_ms=1.0)
+    assert cheap.pause == MIN_PAUSE
+    dear = HeadsGate()
+    for _ in range(PROBE_STEPS):
+        dear.record(draft_ms=5.0, augment_ms=0.0, tokens=1.0, verify_ms=1.0, rate_without=1.0, spent_ms=90.0)
+    assert dear.pause == MAX_PAUSE
+
+
 def test_heads_gate_pauses_while_drafting_does_not_pay():
     """Judged afresh (at first, and after each pause) over PROBE_STEPS drafting steps; then by its running gain."""
     gate = HeadsGate()
@@ -535,3 +554,42 @@ def test_drafting_cost_spread_over_more_tokens_makes_wider_widths_pay():
     steep = CostModel.from_function(lambda rows, w: 40.0 * w, max_width=16)
     assert choose_width([[0.97, 0.5]], steep, overhead_ms=3.0)[0] == 2
     assert choose_width([[0.97, 0.5]], steep, overhead_ms=3.0, rate_floor=1 / 40)[0] == 1
+
+
+def _chain_draft(probs: list[float]):
+    """A row's draft: its root and a chain of heads' tokens drafted with these probabilities."""
+    from clover_hf.drafting import Draft
+    from clover_hf.tree import StepTree
+
+    n = len(probs) + 1
+    tree = StepTree.from_parents(torch.tensor([0, *range(n - 1)]), torch.arange(n), n - 1)
+    return Draft(torch.arange(n), tree, torch.tensor([1.0, *probs]), torch.zeros(n, dtype=torch.bool), 0)
+
+
+def test_a_batch_times_a_wider_width_only_when_its_drafts_could_pay_for_it():
+    """A batch's first steps time an untimed width only on a step whose expected tokens for its last row would pay
+    at the cost of one row of as many tokens; otherwise the width leaves this call's list, the step is chosen as
+    any other, and one row explores whatever its drafts."""
+    import time
+
+    from clover_hf.choosing import StepBudget
+
+    one_row = {1: 10.0, 2: 12.0, 4: 14.0, 8: 20.0}  # 4 rows x 2 tokens: 20 ms against 14 for 4 x 1, 1.43x
+    costs = CostModel({1: dict(one_row), 4: {1: 14.0}})
+
+    def step_for(rows: int) -> StepBudget:
+        budget = DraftBudget(cache_dir="unused")
+        return StepBudget(budget, "k", costs, AcceptanceModel(3, 4), depth=3, lookup_max=4, explore=[2, 4])
+
+    unsure = [_chain_draft([0.6, 0.5, 0.4]) for _ in range(4)]  # the last row moves 1 + 0.6^4 + ... tokens
+    step = step_for(4)
+    cut = step.choose(unsure, False, time.perf_counter(), 0.0, 0, lengths=[10] * 4)
+    assert not step.exploring and step.explore == [4] and all(d.tokens.shape[0] == 1 for d in cut)
+    sure = [_chain_draft([0.99, 0.99, 0.99]) for _ in range(4)]  # accepted by all four rows: worth 1.43x
+    step.acceptance.hits[:] = [1000.0] * len(step.acceptance.hits)  # every bucket proven (rates 0.99)
+    step.acceptance.trials[:] = [1000.0] * len(step.acceptance.trials)
+    cut = step.choose(sure, False, time.perf_counter(), 0.0, 0, lengths=[10] * 4)
+    assert step.exploring and all(d.tokens.shape[0] == 4 for d in cut)
+    one = step_for(1)
+    one.choose(unsure[:1], False, time.perf_counter(), 0.0, 0, lengths=[10])
+    assert one.exploring and one.explore == [2, 4]
