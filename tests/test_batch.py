@@ -163,3 +163,22 @@ def test_batch_without_eos_but_with_stop_strings_falls_back():
     with pytest.warns(UserWarning, match="stopping criteria but no eos_token_id"):
         out = clover.generate(ids, **kwargs)
     assert same(out, base.generate(ids, **kwargs))
+
+
+def test_a_batch_speculates_where_every_row_s_drafts_hold():
+    """The budget weighs a batch's widths by the tokens they move its last row: where drafts hold for every row
+    (oracle heads) and verifying more costs nothing, each step still verifies the whole tree, exactly; where each
+    token costs a forward, it verifies one."""
+    from clover_hf import CostModel, DraftBudget
+
+    base = tiny_model("llama")
+    ids, mask, pads = three_rows()
+    ref = base.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    clover = oracle_model(base, ref, pads)
+    flat = DraftBudget(costs=CostModel.from_function(lambda rows, width: 10.0, draft_ms=0.0))
+    assert same(clover.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, budget=flat), ref)
+    stats = clover.generation_stats
+    assert stats.verified_per_step > 4 and stats.tokens_per_step > 6  # three rows, several tokens each a step
+    steep = DraftBudget(costs=CostModel.from_function(lambda rows, width: 10.0 * rows * width, draft_ms=5.0))
+    assert same(clover.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, budget=steep), ref)
+    assert clover.generation_stats.verified_per_step == 1.0
