@@ -428,10 +428,11 @@ MIN_PAUSE, MAX_PAUSE = 4, 256  # steps without the heads after drafting did not 
 # chain alone did well (its text copying earlier text) paused the heads, and the pauses doubled to MAX_PAUSE within
 # a few calls on the AVX-512-bf16 EPYC, where the heads pay on average (34% of steps drafted in one run, 80% in others)
 PROBE_STEPS = 4
-# a pause lasts long enough that the next judgement's drafting steps cost at most this share of the paused steps'
-# time: a batch's rows draft together, and at 8 rows on the AVX-512-bf16 EPYC a drafting step that caught the
-# Augmenting Block up on every row took 18 ms against a 22 ms verify step, so pauses of 4, 8, 16... steps spent
-# 6% of a call judging heads that never paid
+# a pause lasts long enough that the next judgement's drafting costs at most this share of the paused steps' time:
+# a batch's rows draft one by one, and at 8 rows on the AVX-512-bf16 EPYC a drafting step took 18 ms against a
+# 22 ms verify step, so pauses of 4, 8, 16... steps spent 6% of a call judging heads that never paid. (Counting
+# the Augmenting Block's catching up on the prompt, the first steps of a process priced judgements so high that
+# the heads drafted on 4 steps of 100 in its first three calls.)
 PROBE_SHARE = 0.1
 # Steps whose positions the Augmenting Block catches up on when the heads draft again after a pause: over all
 # of a pause of hundreds of steps, each retry would cost a good share of what the pause saved. Its attention
@@ -450,7 +451,6 @@ class HeadsGate:
     level costs a head pass), the tree's full depth now and then."""
 
     draft_ms: float | None = None  # running cost of drafting a tree
-    spent_ms: float | None = None  # running time of a drafting step's drafting, the Augmenting Block's catching up included
     augment_ms: float = 0.0  # running cost of the Augmenting Block per accepted position (paid only to draft)
     gain: float | None = None  # running (tokens/ms with the heads) - (tokens/ms with the lookup chain alone)
     pause: int = 0
@@ -484,18 +484,15 @@ class HeadsGate:
             return draft_ms + augment_ms
         return self.draft_ms + self.augment_ms
 
-    def record(self, draft_ms: float, augment_ms: float, tokens: float, verify_ms: float, rate_without: float,
-               spent_ms: float | None = None) -> None:
+    def record(self, draft_ms: float, augment_ms: float, tokens: float, verify_ms: float, rate_without: float) -> None:
         """One drafted step: its drafting time and the Augmenting Block's per position, and the
         expected tokens and predicted ms of the chosen width, against the best expected rate of the
-        lookup chain alone; `spent_ms`: all the step's drafting took (default: `draft_ms`)."""
-        spent_ms = draft_ms if spent_ms is None else spent_ms
+        lookup chain alone."""
         if self.draft_ms is None:
-            self.draft_ms, self.augment_ms, self.spent_ms = draft_ms, augment_ms, spent_ms
+            self.draft_ms, self.augment_ms = draft_ms, augment_ms
         else:
             self.draft_ms += self.smoothing * (draft_ms - self.draft_ms)
             self.augment_ms += self.smoothing * (augment_ms - self.augment_ms)
-            self.spent_ms = spent_ms if self.spent_ms is None else self.spent_ms + self.smoothing * (spent_ms - self.spent_ms)
         gain = tokens / (verify_ms + self.draft_ms + self.augment_ms * tokens) - rate_without
         if self.gain is None:  # judged afresh: one step whose lookup chain alone did well must not decide
             self.probe.append(gain)
@@ -505,7 +502,7 @@ class HeadsGate:
         else:
             self.gain += self.smoothing * (gain - self.gain)
         if self.gain < 0:
-            judging = math.ceil(PROBE_STEPS * self.spent_ms / (PROBE_SHARE * verify_ms))  # steps the next one costs
+            judging = math.ceil(PROBE_STEPS * self.drafting_ms(0.0, 0.0) / (PROBE_SHARE * verify_ms))
             self.pause = min(max(self.next_pause, judging), MAX_PAUSE)
             self.next_pause = min(2 * self.pause, MAX_PAUSE)
             self.gain = None  # judged afresh after the pause

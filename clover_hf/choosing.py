@@ -72,15 +72,14 @@ class StepBudget:
         """Each row's draft cut to the nodes that pay. `started`: when drafting began (perf_counter), of
         which `augment_s` went to the Augmenting Block's catching up on `augmented` positions; `lengths`:
         each row's text length so far (a batch's rows ahead of its last one gain the call nothing)."""
-        # (drafting, the Augmenting Block per position, both together) in ms, when the heads drafted
-        draft_ms = None
+        draft_ms = None  # (drafting, Augmenting Block per position) in ms, when the heads drafted
         if with_heads and self.costs.draft_ms is not None:
-            draft_ms = (self.costs.draft_ms, 0.0, self.costs.draft_ms)
+            draft_ms = (self.costs.draft_ms, 0.0)
         elif with_heads:
             for draft in drafts:  # read now, not in the choice: off the CPU drafting runs until read
                 draft.on_host()
             drafting_s = time.perf_counter() - started - augment_s
-            draft_ms = (1000 * drafting_s, 1000 * augment_s / max(augmented, 1), 1000 * (drafting_s + augment_s))
+            draft_ms = (1000 * drafting_s, 1000 * augment_s / max(augmented, 1))
         self.exploring = bool(self.explore) and (self.cap is None or self.explore[0] <= self.cap)
         width = self.explore[0] if self.exploring else None  # taken off once its step is timed
         most = self.budget.widest if self.cap is None else min(self.budget.widest or self.cap, self.cap)
@@ -161,13 +160,13 @@ class StepBudget:
 
 
 def choose_nodes(drafts: list[Draft], acceptance: AcceptanceModel, costs: CostModel, gate,
-                 draft_ms: tuple[float, float, float] | None, explore: bool, most: int | None = None,
+                 draft_ms: tuple[float, float] | None, explore: bool, most: int | None = None,
                  width: int | None = None, leads: list[int] | None = None, least: float | None = None
                  ) -> tuple[list[Draft], list[list[int]], bool]:
     """Cut each row's draft to the nodes that pay: the width with the most expected tokens per
     millisecond under `costs` (`explore`: retrying widths untimed for long), each row keeping its
-    likeliest nodes. When the heads drafted (`draft_ms`: their drafting time, the Augmenting Block's per
-    position, and both together), tells `gate` how that compared with the chain alone. `most`: verify at most this many tokens per row;
+    likeliest nodes. When the heads drafted (`draft_ms`: their drafting time, and the Augmenting Block's per
+    position), tells `gate` how that compared with the chain alone. `most`: verify at most this many tokens per row;
     `width`: this many (or the whole draft), whatever the costs say (to learn that width's cost; the
     gate then learns nothing), unless `least` is given and the step's expected tokens at that width fall
     short of it; `leads`: tokens each row of a batch is ahead of its last one. Returns the cut drafts, each
@@ -188,7 +187,7 @@ def choose_nodes(drafts: list[Draft], acceptance: AcceptanceModel, costs: CostMo
     if not forced:
         overhead, without = 0.0, 0.0  # drafting's cost, and the rate of the lookup chain alone
         if draft_ms is not None:
-            overhead, without = gate.drafting_ms(*draft_ms[:2]), chain_rate(chances, drafts, costs, by_last_row)
+            overhead, without = gate.drafting_ms(*draft_ms), chain_rate(chances, drafts, costs, by_last_row)
         width, tokens, ms = choose_width(chances, costs, explore, most, overhead, without, **by_last_row)
     cut, cut_buckets = [], []
     for d, b, c in zip(drafts, buckets, chances):
@@ -203,7 +202,7 @@ def choose_nodes(drafts: list[Draft], acceptance: AcceptanceModel, costs: CostMo
             cut.append(d.keep(nodes))
             cut_buckets.append([b[i] for i in nodes])
     if draft_ms is not None and not forced:
-        gate.record(*draft_ms[:2], tokens, ms, without, spent_ms=draft_ms[2])
+        gate.record(*draft_ms, tokens, ms, without)
         gate.used(max(depth for d in cut for depth, chain in zip(d.host[0], d.host[3]) if not chain))
     return cut, cut_buckets, forced
 

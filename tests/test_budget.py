@@ -279,21 +279,21 @@ def test_likeliest_nodes_form_a_tree():
 
 
 def test_heads_gate_pauses_long_enough_that_judging_the_heads_again_costs_a_tenth_of_the_pause():
-    """Drafting that costs as much as a verify step (a batch's rows catching up together) is judged again only
-    after PROBE_STEPS * its cost / PROBE_SHARE of paused steps, not after MIN_PAUSE."""
+    """Drafting that costs most of a verify step (a batch's rows draft one by one) is judged again only after
+    PROBE_STEPS * its cost / PROBE_SHARE of paused steps, not after MIN_PAUSE."""
     from clover_hf.budget import MAX_PAUSE, PROBE_SHARE
 
     gate = HeadsGate()
     for _ in range(PROBE_STEPS):
-        gate.record(draft_ms=5.0, augment_ms=0.5, tokens=1.0, verify_ms=20.0, rate_without=0.05, spent_ms=18.0)
-    assert gate.pause == round(PROBE_STEPS * 18.0 / (PROBE_SHARE * 20.0)) == 36 and gate.next_pause == 72
+        gate.record(draft_ms=8.0, augment_ms=1.0, tokens=1.0, verify_ms=20.0, rate_without=0.05)
+    assert gate.pause == round(PROBE_STEPS * 9.0 / (PROBE_SHARE * 20.0)) == 18 and gate.next_pause == 36
     cheap = HeadsGate()
     for _ in range(PROBE_STEPS):
-        cheap.record(draft_ms=1.0, augment_ms=0.0, tokens=1.0, verify_ms=20.0, rate_without=0.06, spent_ms=1.0)
+        cheap.record(draft_ms=1.0, augment_ms=0.0, tokens=1.0, verify_ms=20.0, rate_without=0.06)
     assert cheap.pause == MIN_PAUSE
     dear = HeadsGate()
     for _ in range(PROBE_STEPS):
-        dear.record(draft_ms=5.0, augment_ms=0.0, tokens=1.0, verify_ms=1.0, rate_without=1.0, spent_ms=90.0)
+        dear.record(draft_ms=90.0, augment_ms=0.0, tokens=1.0, verify_ms=1.0, rate_without=1.0)
     assert dear.pause == MAX_PAUSE
 
 
