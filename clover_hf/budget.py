@@ -401,6 +401,8 @@ def choose_width(chances: list[list[float]], costs: CostModel, explore: bool = F
         expected = {width: sum(1 + g[min(width - 1, len(g) - 1)] for g in gains) for width in widths}
     options = []  # (width, tokens, ms, the cost it is weighed by)
     for width in widths:
+        if options and expected[width] <= options[-1][1]:
+            continue  # no more tokens than a narrower width: never worth its cost, however stale its estimate
         ms = costs.predict(rows, width)
         options.append((width, expected[width], ms, costs.price(rows, width) if explore else ms))
     if not options:

@@ -207,6 +207,18 @@ def test_a_batch_counts_the_tokens_that_move_its_last_row():
     assert choose_width(split, costs, leads=[0, 1], **level)[:2] == (2, pytest.approx(1.9))
 
 
+def test_a_width_that_adds_no_expected_token_is_never_chosen_however_stale():
+    """Stale widths are priced lower so that a wrong estimate is retried; one whose drafts add nothing to a narrower
+    width's expected tokens could never pay, and is not retried on such a step (a batch of 4 on the AVX-512-bf16
+    EPYC verified 2-5 tokens a row on steps that expected no drafted token to hold)."""
+    costs = CostModel({1: {1: 10.0, 2: 12.0, 4: 14.0}})
+    costs.timed_ms = 1e9  # wider widths went untimed for long: priced at a quarter of their estimates
+    costs.timed_at = {1: {1: 1e9}}  # one token was timed last step
+    assert costs.price(1, 4) < costs.price(1, 1) == 10.0
+    assert choose_width([[0.0, 0.0, 0.0]], costs, explore=True)[:2] == (1, 1.0)
+    assert choose_width([[0.3, 0.0, 0.0]], costs, explore=True)[:2] == (2, pytest.approx(1.3))
+
+
 def _run_budget(costs: CostModel, true_ms, chances: list[list[float]], steps: int, explore: bool
                 ) -> tuple[list[int], float]:
     """Choose and time `steps` steps against the costs `true_ms(width)`; the widths chosen and the
