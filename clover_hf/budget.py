@@ -344,8 +344,8 @@ def laggard_tokens(chances: list[list[float]], depths: list[list[int]], leads: l
 
     A call ends when its last row does, and a forward costs about the same with a row more or less, so
     tokens that take a row further ahead of the last one do not shorten the call. With the rows level
-    (`leads` all 0: rows run level at one token a step) a step moves the last row by the fewest tokens
-    any row accepts; a row `leads[b]` tokens ahead limits only a step that would take the others past it.
+    (`leads` all 0) a step moves the last row by the fewest tokens any row accepts; a row `leads[b]`
+    tokens ahead holds back only a step that would take the last row past it.
     chances[b], depths[b]: path chances and depths of row b's drafted nodes (root excluded); a width w
     keeps each row's w-1 likeliest nodes, as `likeliest` does. Siblings exclude each other, so the
     chance that row b accepts k tokens or more is the sum of its kept depth-k nodes' chances."""
@@ -364,7 +364,7 @@ def laggard_tokens(chances: list[list[float]], depths: list[list[int]], leads: l
             for b, lead in enumerate(leads):
                 if k > lead:
                     p *= reach[b][k - lead]
-            if p < 1e-4:
+            if p < 1e-4:  # deeper levels add less still
                 break
             tokens += p
         out[width] = tokens
@@ -380,16 +380,16 @@ def choose_width(chances: list[list[float]], costs: CostModel, explore: bool = F
     root and its w-1 likeliest nodes. A batch given its rows' `depths` (of the nodes, as `chances`) and
     `leads` (tokens each row is ahead of the last one) counts the tokens the step moves its last row
     (`laggard_tokens`) instead of all rows' tokens: on the AVX-512-bf16 EPYC, batches of 4 spent 22%
-    more per step to emit 13% more tokens, and the rows that ran ahead then waited for the last one. `explore`: weigh costs by `CostModel.price` (stale widths
-    look cheaper) instead of the plain estimate; `most`: widths up to this only; `overhead_ms`: what the
-    step costs besides its verify step, whatever the width (drafting): spread over more tokens, it makes
-    wider widths pay (left out, on the AVX-512-bf16 EPYC, side by side over 12 prompts: 1.99 against 2.07
-    tokens a step, 2.35x against 2.46x plain `generate`; the whole tree every step then ran 0.99x the
-    budget). `rate_floor`: tokens per ms decoding gets without this step's overhead (the lookup chain
+    more per step to emit 13% more tokens, and the rows that ran ahead then waited for the last one.
+    `explore`: weigh costs by `CostModel.price` (stale widths look cheaper) instead of the plain estimate;
+    `most`: widths up to this only; `overhead_ms`: what the step costs besides its verify step, whatever
+    the width (drafting): spread over more tokens, it makes wider widths pay (left out, on the
+    AVX-512-bf16 EPYC, side by side over 12 prompts: 1.99 against 2.07 tokens a step, 2.35x against 2.46x
+    plain `generate`; the whole tree every step then ran 0.99x the budget). `rate_floor`: tokens per ms decoding gets without this step's overhead (the lookup chain
     alone): where the step's best rate falls short of it, each width's tokens are weighed against its
     verify cost at that rate instead (the overhead is sunk; spreading it must not verify tokens that
     cost more than they bring at the rate the other steps get). Returns (width, expected tokens of all
-    rows, predicted ms of the verify step).
+    rows, or of the last row's progress, predicted ms of the verify step).
     """
     rows = len(chances)
     limit = min(1 + max(len(c) for c in chances), most or float("inf"))

@@ -87,8 +87,8 @@ class StepBudget:
         drafts, self.buckets, forced = choose_nodes(
             drafts, self.acceptance, self.costs, self.budget.gate, draft_ms, explore=self.budget.fixed is None,
             most=most, width=width, leads=leads, least=self._least_to_explore(len(lengths), width))
-        if self.exploring and not forced:  # not worth timing in this call: left to the choice (priced by the
-            self.explore.pop(0)  # nearest row count's costs) and to later calls
+        if self.exploring and not forced:  # not worth timing in this call: left to the choice and to later calls
+            self.explore.pop(0)
             self.exploring = False
         return drafts
 
@@ -165,11 +165,11 @@ def choose_nodes(drafts: list[Draft], acceptance: AcceptanceModel, costs: CostMo
                  ) -> tuple[list[Draft], list[list[int]], bool]:
     """Cut each row's draft to the nodes that pay: the width with the most expected tokens per
     millisecond under `costs` (`explore`: retrying widths untimed for long), each row keeping its
-    likeliest nodes. When the heads drafted (`draft_ms`: their drafting time, and the Augmenting Block's per
-    position), tells `gate` how that compared with the chain alone. `most`: verify at most this many tokens per row;
-    `width`: this many (or the whole draft), whatever the costs say (to learn that width's cost; the
-    gate then learns nothing), unless `least` is given and the step's expected tokens at that width fall
-    short of it; `leads`: tokens each row of a batch is ahead of its last one. Returns the cut drafts, each
+    likeliest nodes. When the heads drafted (`draft_ms`: their drafting time, and the Augmenting Block's
+    per position), tells `gate` how that compared with the chain alone. `most`: verify at most this many
+    tokens per row; `width`: this many (or the whole draft), whatever the costs say (to learn that width's
+    cost; the gate then learns nothing), unless the step's expected tokens at that width fall short of
+    `least`; `leads`: tokens each row of a batch is ahead of its last one. Returns the cut drafts, each
     node's acceptance bucket, and whether `width` was verified."""
     buckets, chances, node_depths = [], [], []
     for d in drafts:
@@ -182,7 +182,7 @@ def choose_nodes(drafts: list[Draft], acceptance: AcceptanceModel, costs: CostMo
     forced = width is not None
     if forced:
         width = min(width, most or width, 1 + max(len(c) for c in chances))
-        if least is not None and len(chances) > 1:
+        if least is not None:
             forced = laggard_tokens(chances, node_depths, leads, [width])[width] >= least
     if not forced:
         overhead, without = 0.0, 0.0  # drafting's cost, and the rate of the lookup chain alone
