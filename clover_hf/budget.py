@@ -376,20 +376,19 @@ def choose_width(chances: list[list[float]], costs: CostModel, explore: bool = F
                  leads: list[int] | None = None) -> tuple[int, float, float]:
     """The tokens per row to verify, with the most expected tokens per millisecond of the whole step.
 
-    chances[b]: path chances of row b's drafted nodes (root excluded). A width w verifies each row's
-    root and its w-1 likeliest nodes. A batch given its rows' `depths` (of the nodes, as `chances`) and
-    `leads` (tokens each row is ahead of the last one) counts the tokens the step moves its last row
-    (`laggard_tokens`) instead of all rows' tokens: on the AVX-512-bf16 EPYC, batches of 4 spent 22%
-    more per step to emit 13% more tokens, and the rows that ran ahead then waited for the last one.
-    `explore`: weigh costs by `CostModel.price` (stale widths look cheaper) instead of the plain estimate;
-    `most`: widths up to this only; `overhead_ms`: what the step costs besides its verify step, whatever
-    the width (drafting): spread over more tokens, it makes wider widths pay (left out, on the
-    AVX-512-bf16 EPYC, side by side over 12 prompts: 1.99 against 2.07 tokens a step, 2.35x against 2.46x
-    plain `generate`; the whole tree every step then ran 0.99x the budget). `rate_floor`: tokens per ms decoding gets without this step's overhead (the lookup chain
-    alone): where the step's best rate falls short of it, each width's tokens are weighed against its
-    verify cost at that rate instead (the overhead is sunk; spreading it must not verify tokens that
-    cost more than they bring at the rate the other steps get). Returns (width, expected tokens of all
-    rows, or of the last row's progress, predicted ms of the verify step).
+    chances[b]: path chances of row b's drafted nodes (root excluded). A width w verifies each row's root and its
+    w-1 likeliest nodes. A batch given its rows' `depths` (of the nodes, as `chances`) and `leads` (tokens each row
+    is ahead of the last one) counts the tokens the step moves its last row (`laggard_tokens`) instead of all rows'
+    tokens: on the AVX-512-bf16 EPYC, batches of 4 spent 22% more per step to emit 13% more tokens, and the rows
+    that ran ahead then waited for the last one. `explore`: weigh costs by `CostModel.price` (stale widths look
+    cheaper) instead of the plain estimate; `most`: widths up to this only; `overhead_ms`: what the step costs
+    besides its verify step, whatever the width (drafting): spread over more tokens, it makes wider widths pay (left
+    out, on the AVX-512-bf16 EPYC, side by side over 12 prompts: 1.99 against 2.07 tokens a step, 2.35x against
+    2.46x plain `generate`; the whole tree every step then ran 0.99x the budget). `rate_floor`: tokens per ms
+    decoding gets without this step's overhead (the lookup chain alone): where the step's best rate falls short of
+    it, each width's tokens are weighed against its verify cost at that rate instead (the overhead is sunk;
+    spreading it must not verify tokens that cost more than they bring at the rate the other steps get). Returns
+    (width, expected tokens of all rows, or of the last row's progress, predicted ms of the verify step).
     """
     rows = len(chances)
     limit = min(1 + max(len(c) for c in chances), most or float("inf"))
