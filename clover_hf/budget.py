@@ -542,14 +542,26 @@ class DraftBudget:
         self._acceptance: dict[tuple, AcceptanceModel] = {}
         self._trials: dict[str, FormTrials] = {}  # forms being learnt from calls' products, per machine key
         self._provided: set[str] = set()  # machine keys whose forms' weight copies the trials made in `copies`
-        self.gate = HeadsGate()
+        self._gates: dict[int, HeadsGate] = {}
+
+    @property
+    def gate(self) -> HeadsGate:
+        """The heads gate of one-row calls (`gate_for`)."""
+        return self.gate_for(1)
+
+    def gate_for(self, rows: int) -> HeadsGate:
+        """The heads gate of calls that start with `rows` rows. Whether drafting pays differs with the batch (a
+        batch's rows draft one by one, and its steps count the tokens of its last row): on the AVX-512-bf16 EPYC
+        the heads paid at one row and never at 4 or 8, where pauses grew to 256 steps, which a shared gate would
+        have carried into the next one-row call."""
+        return self._gates.setdefault(rows, HeadsGate())
 
     def one_token(self) -> "DraftBudget":
         """This budget verifying one token a step: the same costs, forms and weight copies (shared, not copied)."""
         return self._view(widest=1)
 
     def _view(self, **changes) -> "DraftBudget":
-        view = copy.copy(self)  # shallow: the costs, acceptance, gate and weight copies stay this budget's
+        view = copy.copy(self)  # shallow: the costs, acceptance, gates and weight copies stay this budget's
         view.__dict__.update(changes)
         return view
 

@@ -26,8 +26,9 @@ class StepBudget:
     """A `DraftBudget` at work in one generate call, with the costs it has for this machine and batch."""
 
     def __init__(self, budget: DraftBudget, key: str, costs: CostModel, acceptance: AcceptanceModel, depth: int,
-                 lookup_max: int, explore: list[int] | None = None) -> None:
+                 lookup_max: int, explore: list[int] | None = None, rows: int = 1) -> None:
         self.budget, self.key, self.costs, self.acceptance = budget, key, costs, acceptance
+        self.gate = budget.gate_for(rows)  # the call's: its batch's rows, as it began
         self.depth, self.lookup_max = depth, lookup_max
         self.buckets: list[list[int]] = []  # each row's acceptance bucket per node of this step's cut draft
         self.explore = list(explore or [])  # widths whose cost the next steps learn, one a step, narrowest first
@@ -55,17 +56,17 @@ class StepBudget:
         acceptance = budget.acceptance(sample, depth, lookup_max)
         acceptance.start_text()
         explore = [] if budget.fixed is not None else costs.untimed(rows, widest)
-        return cls(budget, key, costs, acceptance, depth, lookup_max, explore)
+        return cls(budget, key, costs, acceptance, depth, lookup_max, explore, rows)
 
     def drafting(self) -> bool:
         """Whether the heads draft this step (else the lookup chain alone is verified; never when one token
         is; always while learning the costs of wider steps, which need their drafts)."""
         wider = any(w > 1 for w in self.explore)
-        return self.budget.widest != 1 and self.cap != 1 and (wider or self.budget.gate.drafting())
+        return self.budget.widest != 1 and self.cap != 1 and (wider or self.gate.drafting())
 
     def shallower(self, spec: list[list[int]] | DynamicTree, trees: list[TreeBuffers] | None):
         """The tree spec and static trees cut to the depth the heads' drafts have been used to lately."""
-        return shallower(spec, trees, self.budget.gate.draft_depth(self.depth), self.lookup_max)
+        return shallower(spec, trees, self.gate.draft_depth(self.depth), self.lookup_max)
 
     def choose(self, drafts: list[Draft], with_heads: bool, started: float, augment_s: float, augmented: int,
                lengths: list[int]) -> list[Draft]:
@@ -85,7 +86,7 @@ class StepBudget:
         most = self.budget.widest if self.cap is None else min(self.budget.widest or self.cap, self.cap)
         leads = [length - min(lengths) for length in lengths]
         drafts, self.buckets, forced = choose_nodes(
-            drafts, self.acceptance, self.costs, self.budget.gate, draft_ms, explore=self.budget.fixed is None,
+            drafts, self.acceptance, self.costs, self.gate, draft_ms, explore=self.budget.fixed is None,
             most=most, width=width, leads=leads, least=self._least_to_explore(len(lengths), width))
         if self.exploring and not forced:  # not worth timing in this call: left to the choice and to later calls
             self.explore.pop(0)

@@ -378,6 +378,23 @@ def test_after_a_long_pause_the_heads_catch_up_on_the_last_steps_only():
     assert clover.generation_stats.head_drafts == clover.generation_stats.steps - 1 - 60
 
 
+def test_a_batch_s_heads_gate_is_its_own():
+    """Whether drafting pays differs with the batch: the heads paused for a batch's calls still draft in one row's
+    calls, and the other way round."""
+    base = tiny_model("llama")
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=0)
+    budget = DraftBudget(costs=FLAT)
+    budget.gate_for(2).pause = 1000
+    ids = prompt(3)
+    batch, mask, _ = left_padded(prompt(5, 7), prompt(6, 12))
+    assert same(clover.generate(ids, max_new_tokens=20, do_sample=False, budget=budget),
+                base.generate(ids, max_new_tokens=20, do_sample=False))
+    assert clover.generation_stats.head_drafts == clover.generation_stats.steps - 1
+    assert same(clover.generate(batch, attention_mask=mask, max_new_tokens=20, do_sample=False, budget=budget),
+                base.generate(batch, attention_mask=mask, max_new_tokens=20, do_sample=False))
+    assert clover.generation_stats.head_drafts == 0 and budget.gate is budget.gate_for(1) is not budget.gate_for(2)
+
+
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
 def test_budget_exact_when_sampling_greedily_and_in_batches(tree):
     base = tiny_model("llama")
