@@ -347,9 +347,9 @@ def laggard_tokens(chances: list[list[float]], depths: list[list[int]], leads: l
     (`leads` all 0) a step moves the last row by the fewest tokens any row accepts; a row `leads[b]`
     tokens ahead holds back only a step that would take the last row past it.
     chances[b], depths[b]: path chances and depths of row b's drafted nodes (root excluded); a width w
-    keeps each row's w-1 likeliest nodes, as `likeliest` does. Siblings exclude each other, so the
+    keeps each row's w-1 likeliest nodes (`by_chance`, as `likeliest`). Siblings exclude each other, so the
     chance that row b accepts k tokens or more is the sum of its kept depth-k nodes' chances."""
-    orders = [sorted(range(len(c)), key=lambda i, c=c: -c[i]) for c in chances]
+    orders = [by_chance(c) for c in chances]
     deepest = max((max(d, default=0) for d in depths), default=0)
     reach = [[0.0] * (deepest + 1) for _ in chances]  # reach[b][k]: chance that row b accepts k or more drafts
     out, kept = {}, 0
@@ -412,10 +412,14 @@ def choose_width(chances: list[list[float]], costs: CostModel, explore: bool = F
     return width, tokens, ms
 
 
+def by_chance(chances: list[float]) -> list[int]:
+    """Indices of the drafted nodes, likeliest first (stable: ties keep tree order, so parents come first)."""
+    return sorted(range(len(chances)), key=lambda i: -chances[i])
+
+
 def likeliest(chances: list[float], width: int) -> list[int]:
     """Node indices (root 0 first, then in tree order) of the root and the width-1 likeliest drafted nodes."""
-    top = sorted(range(len(chances)), key=lambda i: -chances[i])[: width - 1]  # stable: ties keep tree order
-    return [0, *sorted(i + 1 for i in top)]
+    return [0, *sorted(i + 1 for i in by_chance(chances)[: width - 1])]
 
 
 def prune(parents: list[int], depths: list[int], keep: list[int]) -> tuple[list[int], list[int]]:
@@ -503,7 +507,7 @@ class HeadsGate:
         else:
             self.gain += self.smoothing * (gain - self.gain)
         if self.gain < 0:
-            judging = math.ceil(PROBE_STEPS * self.drafting_ms(0.0, 0.0) / (PROBE_SHARE * verify_ms))
+            judging = math.ceil(PROBE_STEPS * (self.draft_ms + self.augment_ms) / (PROBE_SHARE * verify_ms))
             self.pause = min(max(self.next_pause, judging), MAX_PAUSE)
             self.next_pause = min(2 * self.pause, MAX_PAUSE)
             self.gain = None  # judged afresh after the pause
