@@ -28,6 +28,7 @@ from .choosing import StepBudget
 from .drafting import Draft, draft_rows, stack_trees, static_trees, tree_spec
 from .form_trials import FormTrials
 from .heads import DraftHeads, DraftLMHead
+from .lean_layers import lean_layers
 from .linears import LinearForms, faster_forms, linear_forms
 from .rows import Batch, Row, pad_id, prefill, sequences, start_rows
 from .tree import DynamicTree, TreeBuffers
@@ -213,8 +214,10 @@ def clover_generate(
     cache = _decode_cache(model, model_kwargs, generation_config, widest)
 
     copies = None if clover_budget is None else clover_budget.use_copies(plan.forms, plan.trials)
-    # how this machine multiplies, for the whole call
-    with linear_forms([model, clover_heads], plan.forms, copies, plan.trials):
+    # the decoder layers without their modules' per-call machinery (eager forwards), and how this machine
+    # multiplies, for the whole call
+    lean = lean_layers(model) if verify.compiled is None else contextlib.nullcontext()
+    with lean, linear_forms([model, clover_heads], plan.forms, copies, plan.trials):
         # Prefill: the prompts through the base; each row's hidden states wait for the heads' first draft.
         prefill_start = time.perf_counter()
         logits, hidden, positions, cache, plain_mask = prefill(model, input_ids, attention_mask, layout, pre_norm,

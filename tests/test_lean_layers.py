@@ -1,0 +1,112 @@
+"""Decoder layers run lean: bitwise the layers' own output, and their own forward wherever that is not sure."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import clover_hf.decoding as decoding
+import clover_hf.lean_layers as lean_module
+from clover_hf.base_parts import decoder_layers
+from clover_hf.cache import new_cache
+from clover_hf.lean_layers import lean_layers, lean_reason
+
+from .tiny import oracle_model, prompt, same, tiny_model
+
+LEAN = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+def _forwards(model, lean: bool) -> list[torch.Tensor]:
+    """Logits of a padded two-row prefill, a 5-token step under a tree mask, and a one-token step, then the
+    cache's keys and values: what a decode computes."""
+    torch.manual_seed(3)
+    ids = torch.randint(0, 256, (2, 30))
+    pad = torch.ones(2, 30, dtype=torch.long)
+    pad[1, :4] = 0
+    cache = new_cache()
+    blocked = torch.finfo(model.dtype).min
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]]).bool()
+    step_mask = torch.zeros(2, 1, 5, 35, dtype=model.dtype)
+    step_mask[..., 30:].masked_fill_(~tree, blocked)
+    step_mask[1, ..., :4] = blocked
+    one_mask = torch.zeros(2, 1, 1, 36, dtype=model.dtype)
+    one_mask[1, ..., :4] = blocked
+    ctx = lean_layers(model) if lean else contextlib.nullcontext(0)
+    with torch.no_grad(), ctx as count:
+        assert count == (len(decoder_layers(model)) if lean else 0)
+        outs = [model(input_ids=ids, attention_mask=pad, cache=cache, use_cache=True).logits]
+        positions = torch.arange(30, 35)[None].expand(2, -1)
+        outs.append(model(input_ids=ids[:, :5], attention_mask=step_mask, position_ids=positions, cache=cache,
+                          use_cache=True).logits)
+        outs.append(model(input_ids=ids[:, 5:6], attention_mask=one_mask, position_ids=torch.full((2, 1), 35),
+                          cache=cache, use_cache=True).logits)
+    layer = cache.layers[0]
+    return outs + [layer.keys, layer.values]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", LEAN)
+def test_lean_layers_compute_the_layers_own_output_bitwise(arch, dtype):
+    model = tiny_model(arch, dtype=dtype)
+    for own, lean in zip(_forwards(model, False), _forwards(model, True)):
+        assert own.shape == lean.shape and torch.equal(own, lean)
+    assert all("forward" not in layer.__dict__ for layer in decoder_layers(model))  # given back after the block
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma3_text", "gpt2"])
+def test_other_layers_keep_their_own_forward(arch):
+    model = tiny_model(arch)
+    assert "is not a decoder layer of" in lean_reason(decoder_layers(model)[0])
+    with lean_layers(model) as count:
+        assert count == 0
+
+
+def test_layers_with_hooks_or_in_training_keep_their_own_forward():
+    model = tiny_model("llama")
+    layers = decoder_layers(model)
+    seen = []
+    handle = layers[1].mlp.register_forward_hook(lambda module, args, out: seen.append(out))
+    assert "hooks" in lean_reason(layers[1])
+    with torch.no_grad(), lean_layers(model) as count:
+        assert count == 1 and "forward" in layers[0].__dict__ and "forward" not in layers[1].__dict__
+        model(prompt(length=6))
+    assert len(seen) == 1  # the hooked layer ran its own forward, hook included
+    handle.remove()
+    model.train()
+    assert lean_reason(layers[0]) == "the model is in training mode"
+    with lean_layers(model) as count:
+        assert count == 0
+
+
+def test_a_lean_forward_that_does_not_match_is_not_used(monkeypatch):
+    model = tiny_model("llama")
+    monkeypatch.setattr(lean_module, "_checked", {})
+    real = lean_module.lean_forward
+    monkeypatch.setattr(lean_module, "lean_forward", lambda layer: (lambda *a, **k: real(layer)(*a, **k) * 2))
+    ids = prompt(length=8)
+    with torch.no_grad():
+        own = model(ids).logits
+        with pytest.warns(UserWarning, match="does not match"), lean_layers(model) as count:
+            assert count == 0
+            assert torch.equal(model(ids).logits, own)
+
+
+def test_decoding_runs_the_layers_lean_and_matches_the_base(monkeypatch):
+    base = tiny_model("qwen2")
+    ids = prompt(length=12)
+    reference = base.generate(ids, max_new_tokens=40, do_sample=False)
+    counts = []
+
+    @contextlib.contextmanager
+    def counted(model):
+        with lean_layers(model) as count:
+            counts.append(count)
+            yield count
+
+    monkeypatch.setattr(decoding, "lean_layers", counted)
+    model = oracle_model(base, reference)
+    out = model.generate(ids, max_new_tokens=40, do_sample=False)
+    assert same(out, reference) and model.generation_stats.tokens_per_step > 2
+    assert counts == [len(decoder_layers(base))]
