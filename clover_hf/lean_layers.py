@@ -3,14 +3,18 @@
 A one-token forward of SmolLM2-135M on the AVX-512-bf16 EPYC took 16.2 ms, 13.6 of them in its 30
 decoder layers; calling each layer's parts through `nn.Module.__call__`, with transformers' keyword
 plumbing and decorators, was 1.4 ms of that. Within `lean_layers`, a decoder layer of a class listed in
-`LEAN_MODULES` runs one function instead: the same operations in the same order, on the same parts (the
-norms', projections' and activation's own `forward`s, its model's rotary function, the cache's
-`update`, the attention function its config names), so its output is bitwise the layer's own. One
-exception, on the CPU, in bf16 or float16: there SDPA attends one query token to shared key/value heads
-(`enable_gqa`, what transformers asks for without a mask) 4-5x slower than with the query heads packed as
-rows of their key/value head (transformers' `pack_gqa`): 119 against 24 us at 300 keys in bf16, 30 layers
-a token. The lean forward packs them, which rounds the same but for rare last bits (4 inputs in 45 differed
-in bf16), as a many-token forward does. Layers of other classes, with hooks or a replaced `forward` (accelerate's offloading), or in training keep
+`LEAN_MODULES` runs one function instead: the same operations on the same parts (the norms', projections'
+and activation's own `forward`s, Llama's rotary embedding of queries and keys in one pass, the cache's
+`update`, the attention function its config names), so its output is bitwise the layer's own.
+
+One exception, asked for with `pack_one` (where a call multiplies in Clover's linear forms, whose products
+round differently from plain `generate`'s anyway): on the CPU in bf16 or float16, SDPA attends one query
+token to shared key/value heads (`enable_gqa`, what transformers asks for where there is no mask) 4-5x
+slower than with the query heads packed as rows of their key/value head (transformers' `pack_gqa`): 119
+against 24 us at 300 keys in bf16, 30 layers a token. Packed, it rounds the same but for rare last bits
+(4 inputs in 45 differed in bf16), and bf16 decoding can drift from plain `generate`'s within 64 tokens.
+
+Layers of other classes, with hooks or a replaced `forward` (accelerate's offloading), or in training keep
 their own forward; so does a class whose first lean forward in a process does not match its own on a
 trial input (a transformers version that changed the layer).
 """
@@ -72,13 +76,25 @@ def lean_reason(layer: nn.Module) -> str | None:
     return None
 
 
-def lean_forward(layer: nn.Module) -> Callable[..., torch.Tensor]:
-    """The decoder layer's forward as one function over its parts (see the module's docstring)."""
+def _rotary_together(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama's rotary embedding (`x * cos + rotate_half(x) * sin`) of queries and keys (B, T, heads, head_dim),
+    both in one pass, as (B, heads, T, head_dim): the same elementwise operations as rotating each apart,
+    so bitwise the same, in half the operations."""
+    both = torch.cat((query, key), dim=2).transpose(1, 2)
+    half = both.shape[-1] // 2
+    both = both * cos.unsqueeze(1) + torch.cat((-both[..., half:], both[..., :half]), dim=-1) * sin.unsqueeze(1)
+    return both.split((query.shape[2], key.shape[2]), dim=1)
+
+
+def lean_forward(layer: nn.Module, pack_one: bool = False) -> Callable[..., torch.Tensor]:
+    """The decoder layer's forward as one function over its parts (see the module's docstring); `pack_one`:
+    one query token in half precision attends packed."""
     attn, mlp = layer.self_attn, layer.mlp
     norm_in, norm_post = layer.input_layernorm.forward, layer.post_attention_layernorm.forward
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     module = sys.modules[type(layer).__module__]
-    rotary, eager = module.apply_rotary_pos_emb, module.eager_attention_forward
+    eager = module.eager_attention_forward
     window = LEAN_MODULES[type(layer).__module__]
     extra = window(attn) if window is not None else {}
     head_dim, layer_idx, scaling = attn.head_dim, attn.layer_idx, attn.scaling
@@ -87,7 +103,7 @@ def lean_forward(layer: nn.Module) -> Callable[..., torch.Tensor]:
     # them per query head (`repeat_kv`), bitwise the same; one query token in half precision, packed (above)
     gqa = (attention is sdpa_attention_forward and layer.input_layernorm.weight.device.type == "cpu"
            and attn.num_key_value_groups > 1)
-    packs_one = layer.input_layernorm.weight.dtype != torch.float32
+    pack_one = pack_one and layer.input_layernorm.weight.dtype != torch.float32
 
     def forward(hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None, use_cache=False,
                 position_embeddings=None, past_key_values=None, **kwargs) -> torch.Tensor:
@@ -102,11 +118,10 @@ def lean_forward(layer: nn.Module) -> Callable[..., torch.Tensor]:
         if q_norm is not None:
             query, key = q_norm.forward(query), k_norm.forward(key)
         value = attn.v_proj.forward(hidden_states).view(hidden_shape).transpose(1, 2)
-        cos, sin = position_embeddings
-        query, key = rotary(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+        query, key = _rotary_together(query, key, *position_embeddings)
         if cache is not None:
             key, value = cache.update(key, value, layer_idx, kwargs=kwargs)
-        if gqa and query.shape[2] == 1 and packs_one and (attention_mask is None or attention_mask.shape[1] == 1):
+        if gqa and query.shape[2] == 1 and pack_one and (attention_mask is None or attention_mask.shape[1] == 1):
             batch = query.shape[0]
             out = F.scaled_dot_product_attention(query.reshape(batch, key.shape[1], -1, head_dim), key, value,
                                                  attn_mask=attention_mask, scale=scaling)
@@ -150,7 +165,7 @@ def _matches(model: nn.Module, layer: nn.Module, forward: Callable[..., torch.Te
 
 
 @contextlib.contextmanager
-def lean_layers(model: nn.Module) -> Iterator[int]:
+def lean_layers(model: nn.Module, pack_one: bool = False) -> Iterator[int]:
     """Within the block, the base's decoder layers that `lean_reason` passes run `lean_forward`; yields
     how many do. Enter it outside `linears.linear_forms` (its trial forward would be timed there)."""
     layers = list(decoder_layers(model) or [])
@@ -160,7 +175,7 @@ def lean_layers(model: nn.Module) -> Iterator[int]:
     for layer in layers:
         if lean_reason(layer) is not None:
             continue
-        forward = lean_forward(layer)
+        forward = lean_forward(layer, pack_one)
         param = layer.input_layernorm.weight
         key = (type(layer), param.dtype, param.device.type)
         if key not in _checked:

@@ -84,7 +84,7 @@ def test_a_lean_forward_that_does_not_match_is_not_used(monkeypatch):
     model = tiny_model("llama")
     monkeypatch.setattr(lean_module, "_checked", {})
     real = lean_module.lean_forward
-    monkeypatch.setattr(lean_module, "lean_forward", lambda layer: (lambda *a, **k: real(layer)(*a, **k) * 2))
+    monkeypatch.setattr(lean_module, "lean_forward", lambda layer, pack: (lambda *a, **k: real(layer, pack)(*a, **k) * 2))
     ids = prompt(length=8)
     with torch.no_grad():
         own = model(ids).logits
@@ -100,8 +100,8 @@ def test_decoding_runs_the_layers_lean_and_matches_the_base(monkeypatch):
     counts = []
 
     @contextlib.contextmanager
-    def counted(model):
-        with lean_layers(model) as count:
+    def counted(model, pack_one):
+        with lean_layers(model, pack_one) as count:
             counts.append(count)
             yield count
 
@@ -120,7 +120,7 @@ def test_one_half_precision_token_attends_packed_as_closely_as_rounding_allows()
     outs = []
     for lean in (False, True):
         cache = new_cache()
-        ctx = lean_layers(model) if lean else contextlib.nullcontext()
+        ctx = lean_layers(model, pack_one=True) if lean else contextlib.nullcontext()
         with torch.no_grad(), ctx:
             model(input_ids=ids[:, :-1], cache=cache, use_cache=True)
             outs.append(model(input_ids=ids[:, -1:], cache=cache, use_cache=True).logits.float())
