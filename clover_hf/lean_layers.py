@@ -48,12 +48,15 @@ TRIAL_TOKENS = 3  # tokens of the input a class's lean forward is checked on, on
 _checked: dict[tuple, bool] = {}  # (layer class, dtype, device type) -> the lean forward matched the layer's own
 
 
-def _parts(layer: nn.Module) -> list[nn.Module]:
-    """The modules whose forwards the lean forward calls directly (not the linear layers: those are called
-    through their `forward` attribute, whatever computes it)."""
-    attn = layer.self_attn
-    return [layer, attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm,
-            *(m for m in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if m is not None)]
+def _parts(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+    """The modules whose forwards the lean forward stands in for or calls directly, and the projections
+    (called through their `forward` attribute, whatever computes it: `linears.linear_forms`, accelerate's
+    offloading hooks), none of which may have hooks that would then not run."""
+    attn, mlp = layer.self_attn, layer.mlp
+    own = [layer, attn, mlp, layer.input_layernorm, layer.post_attention_layernorm,
+           *(m for m in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if m is not None)]
+    projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    return own, projections
 
 
 def lean_reason(layer: nn.Module) -> str | None:
@@ -70,8 +73,9 @@ def lean_reason(layer: nn.Module) -> str | None:
         return f"{type(layer).__name__} lacks the parts of {prefix}'s decoder layer"
     if layer.training:
         return "the model is in training mode"
-    for part in _parts(layer):
-        if part._forward_hooks or part._forward_pre_hooks or "forward" in part.__dict__:
+    own, projections = _parts(layer)
+    for part in own + projections:
+        if part._forward_hooks or part._forward_pre_hooks or (part in own and "forward" in part.__dict__):
             return f"{type(part).__name__} has hooks or a replaced forward"
     return None
 

@@ -74,6 +74,13 @@ def test_layers_with_hooks_or_in_training_keep_their_own_forward():
         model(prompt(length=6))
     assert len(seen) == 1  # the hooked layer ran its own forward, hook included
     handle.remove()
+    handle = layers[0].self_attn.q_proj.register_forward_pre_hook(lambda module, args: seen.append(args))
+    assert "hooks" in lean_reason(layers[0])
+    with torch.no_grad(), lean_layers(model) as count:
+        assert count == 1 and "forward" not in layers[0].__dict__
+        model(prompt(length=6))
+    assert len(seen) == 2
+    handle.remove()
     model.train()
     assert lean_reason(layers[0]) == "the model is in training mode"
     with lean_layers(model) as count:
