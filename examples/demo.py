@@ -76,8 +76,9 @@ def main() -> None:
         "Exact in float32 (guaranteed and tested)." if dtype == torch.float32 else
         f"In {dtype_name}, Clover multiplies the rows of the prompt's prefill and of each verify forward in the "
         "form measured fastest here (on CPUs without native bf16: in float32, from float16 or float32 copies of "
-        "the weights), while plain generate multiplies them in bf16 kernels: the sums round differently, the "
-        "prompt's cache already differs slightly, and where two tokens are nearly tied the argmax can differ "
+        "the weights), and on the CPU attends one token with its query heads packed (SDPA's grouped attention is "
+        "several times slower there), while plain generate multiplies in bf16 kernels and attends by SDPA's "
+        "grouped attention: the sums round differently, the prompt's cache already differs slightly, and where two tokens are nearly tied the argmax can differ "
         "and the texts part ways. Neither text is the more correct one. In float32 they are identical."))
 
 
