@@ -43,9 +43,9 @@ LEAN_MODULES: dict[str, Callable[[nn.Module], dict] | None] = {
     "transformers.models.qwen2.modeling_qwen2": lambda attn: {"sliding_window": attn.sliding_window},
     "transformers.models.qwen3.modeling_qwen3": lambda attn: {"sliding_window": attn.sliding_window},
 }
-TRIAL_TOKENS = 3  # tokens of the input a class's lean forward is checked on, once per process, dtype and device
+TRIAL_TOKENS = 3  # tokens of the input a class's lean forward is checked on, once per process (`_checked`)
 
-_checked: dict[tuple, bool] = {}  # (layer class, dtype, device type) -> the lean forward matched the layer's own
+_checked: dict[tuple, bool] = {}  # (layer class, attention, dtype, device type) -> the lean forward matched the own
 
 
 def _parts(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
@@ -181,7 +181,7 @@ def lean_layers(model: nn.Module, pack_one: bool = False) -> Iterator[int]:
             continue
         forward = lean_forward(layer, pack_one)
         param = layer.input_layernorm.weight
-        key = (type(layer), param.dtype, param.device.type)
+        key = (type(layer), layer.self_attn.config._attn_implementation, param.dtype, param.device.type)
         if key not in _checked:
             _checked[key] = _matches(model, layer, forward)
             if not _checked[key]:

@@ -55,6 +55,13 @@ def test_lean_layers_compute_the_layers_own_output_bitwise(arch, dtype):
     assert all("forward" not in layer.__dict__ for layer in decoder_layers(model))  # given back after the block
 
 
+def test_lean_layers_call_the_attention_the_config_names():
+    model = tiny_model("qwen2")
+    model.config._attn_implementation = "eager"
+    for own, lean in zip(_forwards(model, False), _forwards(model, True)):
+        assert torch.equal(own, lean)
+
+
 @pytest.mark.parametrize("arch", ["phi3", "gemma3_text", "gpt2"])
 def test_other_layers_keep_their_own_forward(arch):
     model = tiny_model(arch)
