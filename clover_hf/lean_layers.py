@@ -34,6 +34,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .base_parts import decoder_layers
 from .cache import new_cache
+from .heads import apply_rope
 
 # transformers' modeling modules whose decoder layer, attention, MLP and RMSNorm the lean forward mirrors, and
 # what each passes its attention function as `sliding_window` (Llama: nothing)
@@ -75,19 +76,20 @@ def lean_reason(layer: nn.Module) -> str | None:
         return "the model is in training mode"
     own, projections = _parts(layer)
     for part in own + projections:
-        if part._forward_hooks or part._forward_pre_hooks or (part in own and "forward" in part.__dict__):
-            return f"{type(part).__name__} has hooks or a replaced forward"
+        if part._forward_hooks or part._forward_pre_hooks:
+            return f"{type(part).__name__} has hooks"
+    for part in own:
+        if "forward" in part.__dict__:
+            return f"{type(part).__name__} has a replaced forward"
     return None
 
 
 def _rotary_together(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Llama's rotary embedding (`x * cos + rotate_half(x) * sin`) of queries and keys (B, T, heads, head_dim),
-    both in one pass, as (B, heads, T, head_dim): the same elementwise operations as rotating each apart,
-    so bitwise the same, in half the operations."""
-    both = torch.cat((query, key), dim=2).transpose(1, 2)
-    half = both.shape[-1] // 2
-    both = both * cos.unsqueeze(1) + torch.cat((-both[..., half:], both[..., :half]), dim=-1) * sin.unsqueeze(1)
+    """Llama's rotary embedding (`x * cos + rotate_half(x) * sin`, as the heads' `apply_rope` computes it) of
+    queries and keys (B, T, heads, head_dim), both in one pass, as (B, heads, T, head_dim): the same
+    elementwise operations as rotating each apart, so bitwise the same, in half the operations."""
+    both = apply_rope(torch.cat((query, key), dim=2).transpose(1, 2), cos.unsqueeze(1), sin.unsqueeze(1))
     return both.split((query.shape[2], key.shape[2]), dim=1)
 
 
