@@ -193,6 +193,14 @@ def train_heads(data: DataConfig, train: TrainConfig, push_to_hub: str | None = 
     """Run the recipe end to end; returns the directory of the trained heads (None when training stopped
     at `train.max_minutes`: run it again to continue)."""
     accelerator = make_accelerator(train.mixed_precision)
+    try:
+        return _train_heads(data, train, accelerator, push_to_hub, log)
+    finally:  # gloo's and NCCL's threads stop here, not in the interpreter's exit (which can abort the process)
+        accelerator.end_training()
+
+
+def _train_heads(data: DataConfig, train: TrainConfig, accelerator: Accelerator, push_to_hub: str | None,
+                 log) -> Path | None:
     log = log if accelerator.is_main_process else (lambda *a, **k: None)
     out = Path(train.output_dir)
     started = time.time()
