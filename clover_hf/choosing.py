@@ -5,7 +5,7 @@ from the step."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 from transformers import PreTrainedModel
@@ -26,9 +26,10 @@ class StepBudget:
     """A `DraftBudget` at work in one generate call, with the costs it has for this machine and batch."""
 
     def __init__(self, budget: DraftBudget, key: str, costs: CostModel, acceptance: AcceptanceModel, depth: int,
-                 lookup_max: int, explore: list[int] | None = None, rows: int = 1) -> None:
+                 lookup_max: int, explore: list[int] | None = None, rows: int = 1, setting: Hashable | None = None
+                 ) -> None:
         self.budget, self.key, self.costs, self.acceptance = budget, key, costs, acceptance
-        self.gate = budget.gate_for(rows)  # the call's: its batch's rows, as it began
+        self.gate = budget.gate_for(rows, setting)  # the call's: its batch's rows, as it began, and its tree
         self.depth, self.lookup_max = depth, lookup_max
         self.buckets: list[list[int]] = []  # each row's acceptance bucket per node of this step's cut draft
         self.explore = list(explore or [])  # widths whose cost the next steps learn, one a step, narrowest first
@@ -38,12 +39,13 @@ class StepBudget:
 
     @classmethod
     def start(cls, budget: DraftBudget | None, key: str | None, calibrate: bool | None, model: PreTrainedModel,
-              batch: Batch, widest: int, depth: int, lookup_max: int, sample: bool, verify: VerifyForward
-              ) -> StepBudget | None:
+              batch: Batch, widest: int, depth: int, lookup_max: int, sample: bool, verify: VerifyForward,
+              setting: Hashable | None = None) -> StepBudget | None:
         """The budget for this call with its verify costs: those not known yet are learnt from the first
         steps, or timed now (`calibrate`: see `DraftBudget.costs`); None without a budget or costs, or
         for a budget that does not cut (`DraftBudget.whole_tree`): the whole tree is verified every step.
-        Where `verify` pads trees to width buckets (compiled), only those are timed."""
+        Where `verify` pads trees to width buckets (compiled), only those are timed. `setting`: the caller's
+        tree and chain, where they override the heads' own (the heads gate is kept per setting)."""
         if budget is None or not budget.cut or not batch.active:
             return None
         widest = min(widest, budget.widest or widest)
@@ -56,7 +58,7 @@ class StepBudget:
         acceptance = budget.acceptance(sample, depth, lookup_max)
         acceptance.start_text()
         explore = [] if budget.fixed is not None else costs.untimed(rows, widest)
-        return cls(budget, key, costs, acceptance, depth, lookup_max, explore, rows)
+        return cls(budget, key, costs, acceptance, depth, lookup_max, explore, rows, setting)
 
     def drafting(self) -> bool:
         """Whether the heads draft this step (else the lookup chain alone is verified; never when one token

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -230,7 +230,7 @@ def clover_generate(
                           stopping_criteria, streamer, keep, plan.lookup, plan.embed)
         batch = Batch(rows, cache, positions, layout, plain_mask)
         budget = StepBudget.start(clover_budget, plan.key, clover_calibrate, model, batch, plan.widest, plan.depth,
-                                  plan.lookup_max, sample, verify)
+                                  plan.lookup_max, sample, verify, plan.setting)
         clock = _Clock(stats.stage_seconds if clover_profile else None, device)  # the steps' stages, from here
         ready = plan.trials is None or plan.trials.ready()  # the forms settled and their copies made
         while batch.active:
@@ -300,6 +300,8 @@ class _Plan:
     forms: LinearForms  # how linear layers multiply each row count here (linears.py)
     machine: str | None = None  # the key the forms are kept under (`key` less the cache's kind)
     trials: FormTrials | None = None  # the row counts whose forms this call's products learn
+    setting: Hashable | None = None  # the caller's tree and chain where they override the heads' own (None: the
+    # heads' own): the budget's heads gate is kept per setting, since what drafting costs and gains depends on it
 
     @functools.cached_property
     def lm_head(self) -> DraftLMHead:
@@ -324,6 +326,8 @@ def _plan(model: PreTrainedModel, heads: DraftHeads, batch: int, generation_conf
     keys the verify costs apart from a dynamic cache's; the forms are the machine's either way."""
     device = model.device
     spec = tree_spec(tree, heads.config, device, batch)
+    setting = None if tree is None and lookup is None and lookup_max is None else (
+        spec if isinstance(spec, DynamicTree) else tuple(map(tuple, spec)), lookup, lookup_max)
     if isinstance(spec, DynamicTree) and not heads.dynamic_trees:
         raise ValueError(f"{heads.config.head_type} heads draft static trees only: pass tree=[[0], [1], [0, 0], ...] "
                          "(paths in Medusa's format) instead of a dynamic tree")
@@ -351,7 +355,8 @@ def _plan(model: PreTrainedModel, heads: DraftHeads, batch: int, generation_conf
     if key != machine:  # the same forms on another cache, with costs of its own
         budget.share_forms(key, forms, learning=trials is not None)
     return _Plan(heads, spec, trees, depth, lookup, lookup_max, heads.token_embedding(model),
-                 model.get_output_embeddings(), int8, generation_config.max_length, key, forms, machine, trials)
+                 model.get_output_embeddings(), int8, generation_config.max_length, key, forms, machine, trials,
+                 setting)
 
 
 def _draft(rows: list[Row], plan: _Plan, budget: StepBudget | None, stats: GenerationStats, clock: _Clock

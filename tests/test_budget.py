@@ -395,6 +395,25 @@ def test_a_batch_s_heads_gate_is_its_own():
     assert clover.generation_stats.head_drafts == 0 and budget.gate is budget.gate_for(1) is not budget.gate_for(2)
 
 
+def test_calls_with_another_tree_keep_a_heads_gate_of_their_own():
+    """What drafting costs and gains depends on the tree: calls with the caller's own tree (or chain) neither
+    inherit nor change the pauses of calls with the heads' tree."""
+    base = tiny_model("llama")
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=0)
+    budget = DraftBudget(costs=FLAT)
+    budget.gate.pause = 1000
+    ids = prompt(3)
+    ref = base.generate(ids, max_new_tokens=20, do_sample=False)
+    for tree in ([[0], [1], [0, 0]], {"depth": 2, "width": 2, "nodes": 4}):
+        assert same(clover.generate(ids, max_new_tokens=20, do_sample=False, budget=budget, tree=tree), ref)
+        assert clover.generation_stats.head_drafts == clover.generation_stats.steps - 1
+    assert same(clover.generate(ids, max_new_tokens=20, do_sample=False, budget=budget, lookup=2), ref)
+    assert clover.generation_stats.head_drafts == clover.generation_stats.steps - 1
+    assert same(clover.generate(ids, max_new_tokens=20, do_sample=False, budget=budget), ref)
+    assert clover.generation_stats.head_drafts == 0 and budget.gate.pause == 1000 - 19
+    assert len({id(gate) for gate in budget._gates.values()}) == 4
+
+
 @pytest.mark.parametrize("tree", ["static", "dynamic"])
 def test_budget_exact_when_sampling_greedily_and_in_batches(tree):
     base = tiny_model("llama")
