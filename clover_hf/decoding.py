@@ -229,10 +229,10 @@ def clover_generate(
         rows = start_rows(input_ids, attention_mask, positions, logits, hidden, logits_processor, sample,
                           stopping_criteria, streamer, keep, plan.lookup, plan.embed)
         batch = Batch(rows, cache, positions, layout, plain_mask)
-        budget = StepBudget.start(clover_budget, plan.key, clover_calibrate, model, batch, plan.widest, plan.depth,
-                                  plan.lookup_max, sample, verify, plan.setting)
-        clock = _Clock(stats.stage_seconds if clover_profile else None, device)  # the steps' stages, from here
         ready = plan.trials is None or plan.trials.ready()  # the forms settled and their copies made
+        budget = StepBudget.start(clover_budget, plan.key, clover_calibrate, model, batch, plan.widest, plan.depth,
+                                  plan.lookup_max, sample, verify, plan.setting, ready)
+        clock = _Clock(stats.stage_seconds if clover_profile else None, device)  # the steps' stages, from here
         while batch.active:
             if budget is not None and plan.trials is not None:  # a first call learns wider forms once it runs long
                 budget.cap = 1 if plan.trials.one_token_steps() else None

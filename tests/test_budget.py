@@ -641,3 +641,37 @@ def test_a_batch_times_a_wider_width_only_when_its_drafts_could_pay_for_it():
     one = step_for(1)
     one.choose(unsure[:1], False, time.perf_counter(), 0.0, 0, lengths=[10])
     assert one.exploring and one.explore == [2, 4]
+
+
+def test_the_heads_gate_judges_afresh_once_the_linear_forms_settle():
+    """Steps that learn linear forms or make weight copies cost more than they will: pauses judged on them are
+    forgotten once the forms settle (within the call, or as a later call starts settled); pauses judged on
+    settled steps stand."""
+    from clover_hf.choosing import StepBudget
+
+    budget = DraftBudget(costs=FLAT)
+    gate = budget.gate
+
+    def start(settled: bool) -> StepBudget:
+        return StepBudget(budget, "k", FLAT, AcceptanceModel(3, 4), depth=3, lookup_max=4, settled=settled)
+
+    import time
+
+    step = start(settled=False)
+    step.choose([_chain_draft([0.5, 0.4])], True, time.perf_counter(), 0.0, 0, lengths=[10])  # the heads drafted
+    assert gate.unsettled
+    settled = start(settled=True)
+    assert not gate.unsettled
+    settled.choose([_chain_draft([0.5, 0.4])], True, time.perf_counter(), 0.0, 0, lengths=[10])
+    assert not gate.unsettled
+    gate.pause, gate.next_pause, gate.gain, gate.unsettled = 40, 80, -0.01, True
+    step = start(settled=False)
+    assert step.gate is gate and gate.pause == 40  # still learning: the judgement stands meanwhile
+    step.forms_ready()
+    assert (gate.pause, gate.next_pause, gate.gain, gate.draft_ms, gate.unsettled) == (0, MIN_PAUSE, None, None, False)
+    gate.pause, gate.next_pause, gate.unsettled = 40, 80, True
+    start(settled=True)  # a later call, its forms settled
+    assert (gate.pause, gate.next_pause) == (0, MIN_PAUSE)
+    gate.pause, gate.next_pause = 40, 80  # judged on settled steps
+    start(settled=True).forms_ready()
+    assert (gate.pause, gate.next_pause) == (40, 80)
