@@ -253,14 +253,12 @@ def test_online_training_over_two_processes(tiny_base, tmp_path):
     each batch, and the heads come out loadable and exact."""
     import os
     import subprocess
-    import sys
 
-    from .test_training import REPO
+    from .test_training import REPO, two_process_launch
 
     data = _chats(tmp_path / "chats.jsonl")
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
-           "--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "clover_hf.cli",
+    cmd = [*two_process_launch(), "-m", "clover_hf.cli",
            *_args(tiny_base, data, out, **{"online": None, "labels": "full", "max-length": "96", "max-steps": "6"})]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)

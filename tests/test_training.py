@@ -44,6 +44,18 @@ def tiny_base(tmp_path_factory):
     return save_tiny_base(tmp_path_factory.mktemp("base"))
 
 
+def two_process_launch() -> list[str]:
+    """`accelerate launch` of two CPU processes, on a port free now: the default one may still be held by an
+    earlier launch's lingering process, or by another run on the machine."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
+            "--main_process_port", str(port), "--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
+
+
 def _args(base: str, data: Path, out: Path, **extra) -> list[str]:
     args = {"base-model": base, "data": str(data), "output-dir": str(out), "base-dtype": "float32",
             "max-steps": "12", "batch-size": "4", "save-every": "4", "eval-every": "0", "max-length": "64",
@@ -211,8 +223,7 @@ def test_accelerate_launch_two_processes_and_resume(tiny_base, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
 
     def launch(directory: Path) -> str:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--num_machines", "1",
-               "--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "clover_hf.cli",
+        cmd = [*two_process_launch(), "-m", "clover_hf.cli",
                *_args(tiny_base, data, directory, **{"self-distill": None, "distill-max-new-tokens": "6"})]
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-12000:]
