@@ -191,7 +191,8 @@ def warm_start(heads: DraftHeads, source: str, keep_vocabulary: bool = False) ->
 
 def train_heads(data: DataConfig, train: TrainConfig, push_to_hub: str | None = None, log=print) -> Path | None:
     """Run the recipe end to end; returns the directory of the trained heads (None when training stopped
-    at `train.max_minutes`: run it again to continue)."""
+    at `train.max_minutes`: run it again to continue). Ends the process group it trained over, if any
+    (accelerate's `end_training`)."""
     accelerator = make_accelerator(train.mixed_precision)
     try:
         return _train_heads(data, train, accelerator, push_to_hub, log)
