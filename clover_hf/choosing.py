@@ -27,11 +27,11 @@ class StepBudget:
 
     def __init__(self, budget: DraftBudget, key: str, costs: CostModel, acceptance: AcceptanceModel, depth: int,
                  lookup_max: int, explore: list[int] | None = None, rows: int = 1, setting: Hashable | None = None,
-                 settled: bool = True) -> None:
+                 forms_settled: bool = True) -> None:
         self.budget, self.key, self.costs, self.acceptance = budget, key, costs, acceptance
         self.gate = budget.gate_for(rows, setting)  # the call's: its batch's rows, as it began, and its tree
-        self.settled = settled  # whether the linear forms have settled and their weight copies are made
-        if settled and self.gate.unsettled:
+        self.forms_settled = forms_settled  # whether the linear forms have settled and their weight copies are made
+        if forms_settled and self.gate.unsettled:
             self.gate.restart()
         self.depth, self.lookup_max = depth, lookup_max
         self.buckets: list[list[int]] = []  # each row's acceptance bucket per node of this step's cut draft
@@ -43,14 +43,14 @@ class StepBudget:
     @classmethod
     def start(cls, budget: DraftBudget | None, key: str | None, calibrate: bool | None, model: PreTrainedModel,
               batch: Batch, widest: int, depth: int, lookup_max: int, sample: bool, verify: VerifyForward,
-              setting: Hashable | None = None, settled: bool = True) -> StepBudget | None:
+              setting: Hashable | None = None, forms_settled: bool = True) -> StepBudget | None:
         """The budget for this call with its verify costs: those not known yet are learnt from the first
         steps, or timed now (`calibrate`: see `DraftBudget.costs`); None without a budget or costs, or
         for a budget that does not cut (`DraftBudget.whole_tree`): the whole tree is verified every step.
         Where `verify` pads trees to width buckets (compiled), only those are timed. `setting`: the caller's
-        tree and chain, where they override the heads' own (the heads gate is kept per setting); `settled`:
-        whether the linear forms have settled and their weight copies are made (else the call's steps cost more
-        than they will, and the heads gate judges afresh once they have: `forms_ready`)."""
+        tree and chain, where they override the heads' own (the heads gate is kept per setting);
+        `forms_settled`: whether the linear forms have settled and their weight copies are made (else the call's
+        steps cost more than they will, and the heads gate judges afresh once they have: `forms_ready`)."""
         if budget is None or not budget.cut or not batch.active:
             return None
         widest = min(widest, budget.widest or widest)
@@ -63,7 +63,7 @@ class StepBudget:
         acceptance = budget.acceptance(sample, depth, lookup_max)
         acceptance.start_text()
         explore = [] if budget.fixed is not None else costs.untimed(rows, widest)
-        return cls(budget, key, costs, acceptance, depth, lookup_max, explore, rows, setting, settled)
+        return cls(budget, key, costs, acceptance, depth, lookup_max, explore, rows, setting, forms_settled)
 
     def drafting(self) -> bool:
         """Whether the heads draft this step (else the lookup chain alone is verified; never when one token
@@ -95,7 +95,7 @@ class StepBudget:
         drafts, self.buckets, forced = choose_nodes(
             drafts, self.acceptance, self.costs, self.gate, draft_ms, explore=self.budget.fixed is None,
             most=most, width=width, leads=leads, least=self._least_to_explore(len(lengths), width))
-        if with_heads and not self.settled:
+        if with_heads and not self.forms_settled:
             self.gate.unsettled = True
         if self.exploring and not forced:  # not worth timing in this call: left to the choice and to later calls
             self.explore.pop(0)
@@ -151,7 +151,7 @@ class StepBudget:
         """The linear forms have settled and their weight copies are made: time again every width timed before,
         and judge the heads afresh."""
         self._time_again(set(self.provisional))
-        self.settled = True
+        self.forms_settled = True
         if self.gate.unsettled:
             self.gate.restart()
 

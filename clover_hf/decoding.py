@@ -229,9 +229,9 @@ def clover_generate(
         rows = start_rows(input_ids, attention_mask, positions, logits, hidden, logits_processor, sample,
                           stopping_criteria, streamer, keep, plan.lookup, plan.embed)
         batch = Batch(rows, cache, positions, layout, plain_mask)
-        ready = plan.trials is None or plan.trials.ready()  # the forms settled and their copies made
+        forms_settled = plan.trials is None or plan.trials.ready()  # the forms settled and their copies made
         budget = StepBudget.start(clover_budget, plan.key, clover_calibrate, model, batch, plan.widest, plan.depth,
-                                  plan.lookup_max, sample, verify, plan.setting, ready)
+                                  plan.lookup_max, sample, verify, plan.setting, forms_settled)
         clock = _Clock(stats.stage_seconds if clover_profile else None, device)  # the steps' stages, from here
         while batch.active:
             if budget is not None and plan.trials is not None:  # a first call learns wider forms once it runs long
@@ -257,9 +257,8 @@ def clover_generate(
                 # that learnt linear forms (or lacked the copies they compute from) costs more than it will
                 provisional = plan.trials is not None and plan.trials.unsettled != unsettled
                 budget.verified(len(batch.active), ids.shape[1], started, verify.settled, provisional)
-                if not ready and plan.trials.ready():
+                if not budget.forms_settled and plan.trials.ready():
                     budget.forms_ready()
-                    ready = True
             _feed_heads(batch.active, accepted, news, hidden, node_pos, plan.embed)
             batch.drop_finished()
 

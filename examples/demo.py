@@ -78,8 +78,9 @@ def main() -> None:
         "form measured fastest here (on CPUs without native bf16: in float32, from float16 or float32 copies of "
         "the weights), and on the CPU attends one token with its query heads packed (SDPA's grouped attention is "
         "several times slower there), while plain generate multiplies in bf16 kernels and attends by SDPA's "
-        "grouped attention: the sums round differently, the prompt's cache already differs slightly, and where two tokens are nearly tied the argmax can differ "
-        "and the texts part ways. Neither text is the more correct one. In float32 they are identical."))
+        "grouped attention: the sums round differently, the prompt's cache already differs slightly, and where "
+        "two tokens are nearly tied the argmax can differ and the texts part ways. Neither text is the more "
+        "correct one. In float32 they are identical."))
 
 
 if __name__ == "__main__":

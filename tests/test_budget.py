@@ -647,15 +647,15 @@ def test_the_heads_gate_judges_afresh_once_the_linear_forms_settle():
     """Steps that learn linear forms or make weight copies cost more than they will: pauses judged on them are
     forgotten once the forms settle (within the call, or as a later call starts settled); pauses judged on
     settled steps stand."""
+    import time
+
     from clover_hf.choosing import StepBudget
 
     budget = DraftBudget(costs=FLAT)
     gate = budget.gate
 
     def start(settled: bool) -> StepBudget:
-        return StepBudget(budget, "k", FLAT, AcceptanceModel(3, 4), depth=3, lookup_max=4, settled=settled)
-
-    import time
+        return StepBudget(budget, "k", FLAT, AcceptanceModel(3, 4), depth=3, lookup_max=4, forms_settled=settled)
 
     step = start(settled=False)
     step.choose([_chain_draft([0.5, 0.4])], True, time.perf_counter(), 0.0, 0, lengths=[10])  # the heads drafted
