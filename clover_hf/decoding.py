@@ -217,7 +217,7 @@ def clover_generate(
     # the decoder layers without their modules' per-call machinery (eager forwards; attention packed where the
     # call's products already round differently from plain decoding's), and how this machine multiplies
     kernels = bool(plan.forms) or plan.trials is not None  # the call multiplies in forms stored or being learnt
-    lean = lean_layers(model, pack_one=kernels) if verify.compiled is None else contextlib.nullcontext()
+    lean = lean_layers(model, pack=kernels) if verify.compiled is None else contextlib.nullcontext()
     with lean, linear_forms([model, clover_heads], plan.forms, copies, plan.trials):
         # Prefill: the prompts through the base; each row's hidden states wait for the heads' first draft.
         prefill_start = time.perf_counter()

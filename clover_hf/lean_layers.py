@@ -7,12 +7,16 @@ plumbing and decorators, was 1.4 ms of that. Within `lean_layers`, a decoder lay
 and activation's own `forward`s, Llama's rotary embedding of queries and keys in one pass, the cache's
 `update`, the attention function its config names), so its output is bitwise the layer's own.
 
-One exception, asked for with `pack_one` (where a call multiplies in Clover's linear forms, whose products
+One exception, asked for with `pack` (where a call multiplies in Clover's linear forms, whose products
 round differently from plain `generate`'s anyway): on the CPU in bf16 or float16, SDPA attends one query
 token to shared key/value heads (`enable_gqa`, what transformers asks for where there is no mask) 4-5x
 slower than with the query heads packed as rows of their key/value head (transformers' `pack_gqa`): 119
-against 24 us at 300 keys in bf16, 30 layers a token. Packed, it rounds the same but for rare last bits
-(4 inputs in 45 differed in bf16), and bf16 decoding can drift from plain `generate`'s within 64 tokens.
+against 24 us at 300 keys in bf16, 30 layers a token. A verify forward's few masked query tokens gain where
+the text is long: 2-6 tokens over 1,200-1,800 keys took 1-1.5 ms less a forward packed (5%), while over
+150-300 keys they took 0.3-0.8 ms more, and over about 600 as long (AVX-512-bf16 EPYC, SmolLM2's 9 query
+heads on 3; from 12 tokens up packing measured no faster). So up to PACK_QUERIES tokens attend packed over
+PACK_KEYS keys or more. Packed, attention rounds the same but for rare last bits (4 inputs in 45 differed
+in bf16), and bf16 decoding can drift from plain `generate`'s within 64 tokens.
 
 Layers of other classes, with hooks or a replaced `forward` (accelerate's offloading), or in training keep
 their own forward; so does a class whose first lean forward in a process does not match its own on a
@@ -44,6 +48,7 @@ LEAN_MODULES: dict[str, Callable[[nn.Module], dict] | None] = {
     "transformers.models.qwen2.modeling_qwen2": lambda attn: {"sliding_window": attn.sliding_window},
     "transformers.models.qwen3.modeling_qwen3": lambda attn: {"sliding_window": attn.sliding_window},
 }
+PACK_QUERIES, PACK_KEYS = 8, 1024  # several query tokens attend packed (`pack`): at most this many, to this many keys or more
 TRIAL_TOKENS = 3  # tokens of the input a class's lean forward is checked on, once per process (`_checked`)
 
 _checked: dict[tuple, bool] = {}  # (layer class, attention, dtype, device type) -> the lean forward matched the own
@@ -93,9 +98,33 @@ def _rotary_together(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, 
     return both.split((query.shape[2], key.shape[2]), dim=1)
 
 
-def lean_forward(layer: nn.Module, pack_one: bool = False) -> Callable[..., torch.Tensor]:
-    """The decoder layer's forward as one function over its parts (see the module's docstring); `pack_one`:
-    one query token in half precision attends packed."""
+def _packs(tokens: int, keys: int, mask: torch.Tensor | None) -> bool:
+    """Whether `tokens` query tokens attend to `keys` keys packed under `mask`: one token, under no mask or one all
+    heads share; up to PACK_QUERIES tokens over PACK_KEYS keys or more, under a mask all heads share (several need
+    theirs: packed, `is_causal` would mask the wrong rows)."""
+    shared = mask is None or (mask.dim() == 4 and mask.shape[1] == 1)
+    if tokens == 1:
+        return shared
+    return tokens <= PACK_QUERIES and keys >= PACK_KEYS and mask is not None and shared
+
+
+def _packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                      scaling: float) -> torch.Tensor:
+    """SDPA of query (B, heads, T, d) over shared key/value heads (B, kv_heads, K, d), each key/value head's query
+    heads packed as its rows (head-major, then token), as (B, T, heads, d). `mask` (B, 1, T, K) is repeated for each
+    packed head; one token may go without (it sees every key)."""
+    batch, heads, tokens, head_dim = query.shape
+    groups = heads // key.shape[1]
+    if mask is not None and tokens > 1:
+        mask = mask.repeat(1, 1, groups, 1)
+    out = F.scaled_dot_product_attention(query.reshape(batch, key.shape[1], groups * tokens, head_dim), key, value,
+                                         attn_mask=mask, scale=scaling)
+    return out.reshape(batch, heads, tokens, head_dim).transpose(1, 2).contiguous()
+
+
+def lean_forward(layer: nn.Module, pack: bool = False) -> Callable[..., torch.Tensor]:
+    """The decoder layer's forward as one function over its parts (see the module's docstring); `pack`: up to
+    PACK_QUERIES query tokens in half precision attend packed."""
     attn, mlp = layer.self_attn, layer.mlp
     norm_in, norm_post = layer.input_layernorm.forward, layer.post_attention_layernorm.forward
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
@@ -109,7 +138,7 @@ def lean_forward(layer: nn.Module, pack_one: bool = False) -> Callable[..., torc
     # them per query head (`repeat_kv`), bitwise the same; one query token in half precision, packed (above)
     gqa = (attention is sdpa_attention_forward and layer.input_layernorm.weight.device.type == "cpu"
            and attn.num_key_value_groups > 1)
-    pack_one = pack_one and layer.input_layernorm.weight.dtype != torch.float32
+    pack = pack and layer.input_layernorm.weight.dtype != torch.float32
 
     def forward(hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None, use_cache=False,
                 position_embeddings=None, past_key_values=None, **kwargs) -> torch.Tensor:
@@ -127,11 +156,8 @@ def lean_forward(layer: nn.Module, pack_one: bool = False) -> Callable[..., torc
         query, key = _rotary_together(query, key, *position_embeddings)
         if cache is not None:
             key, value = cache.update(key, value, layer_idx, kwargs=kwargs)
-        if gqa and query.shape[2] == 1 and pack_one and (attention_mask is None or attention_mask.shape[1] == 1):
-            batch = query.shape[0]
-            out = F.scaled_dot_product_attention(query.reshape(batch, key.shape[1], -1, head_dim), key, value,
-                                                 attn_mask=attention_mask, scale=scaling)
-            out = out.reshape(batch, -1, 1, head_dim).transpose(1, 2).contiguous()
+        if gqa and pack and _packs(query.shape[2], key.shape[-2], attention_mask):
+            out = _packed_attention(query, key, value, attention_mask, scaling)
         elif gqa and attention_mask is not None and query.shape[2] > 1:
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
                                                  enable_gqa=True).transpose(1, 2).contiguous()
@@ -171,7 +197,7 @@ def _matches(model: nn.Module, layer: nn.Module, forward: Callable[..., torch.Te
 
 
 @contextlib.contextmanager
-def lean_layers(model: nn.Module, pack_one: bool = False) -> Iterator[int]:
+def lean_layers(model: nn.Module, pack: bool = False) -> Iterator[int]:
     """Within the block, the base's decoder layers that `lean_reason` passes run `lean_forward`; yields
     how many do. Enter it outside `linears.linear_forms` (its trial forward would be timed there)."""
     layers = list(decoder_layers(model) or [])
@@ -181,7 +207,7 @@ def lean_layers(model: nn.Module, pack_one: bool = False) -> Iterator[int]:
     for layer in layers:
         if lean_reason(layer) is not None:
             continue
-        forward = lean_forward(layer, pack_one)
+        forward = lean_forward(layer, pack)
         param = layer.input_layernorm.weight
         key = (type(layer), layer.self_attn.config._attn_implementation, param.dtype, param.device.type)
         if key not in _checked:

@@ -114,8 +114,8 @@ def test_decoding_runs_the_layers_lean_and_matches_the_base(monkeypatch):
     counts = []
 
     @contextlib.contextmanager
-    def counted(model, pack_one):
-        with lean_layers(model, pack_one) as count:
+    def counted(model, pack):
+        with lean_layers(model, pack) as count:
             counts.append(count)
             yield count
 
@@ -134,8 +134,48 @@ def test_one_half_precision_token_attends_packed_as_closely_as_rounding_allows()
     outs = []
     for lean in (False, True):
         cache = new_cache()
-        ctx = lean_layers(model, pack_one=True) if lean else contextlib.nullcontext()
+        ctx = lean_layers(model, pack=True) if lean else contextlib.nullcontext()
         with torch.no_grad(), ctx:
             model(input_ids=ids[:, :-1], cache=cache, use_cache=True)
             outs.append(model(input_ids=ids[:, -1:], cache=cache, use_cache=True).logits.float())
     assert torch.allclose(outs[0], outs[1], rtol=0, atol=0.01 * outs[0].abs().max().item())
+
+
+@pytest.mark.parametrize("tokens", [3, lean_module.PACK_QUERIES])
+def test_a_few_half_precision_tokens_attend_packed_under_their_tree_mask(tokens, monkeypatch):
+    """A verify forward's few query tokens in bf16 over a long text attend with their heads packed, each packed row
+    under its own token's row of the tree mask: the same attention as SDPA's own, to rounding; more tokens (a
+    prefill), and a few over a short text, attend unpacked."""
+    monkeypatch.setattr(lean_module, "PACK_KEYS", 300)
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 300 + tokens), generator=torch.Generator().manual_seed(6))
+    tree = torch.eye(tokens, dtype=torch.bool)
+    tree[:, 0] = tree[1::2, 1] = True  # a tree: every node sees the root, odd ones the first child too
+    blocked = torch.finfo(torch.bfloat16).min
+    mask = torch.zeros(2, 1, tokens, 300 + tokens, dtype=torch.bfloat16)
+    mask[..., 300:].masked_fill_(~tree, blocked)
+    mask[1, ..., :7] = blocked  # the second row's padding
+    packed = []
+    monkeypatch.setattr(lean_module, "_packed_attention", _counting(lean_module._packed_attention, packed))
+    outs = []
+    for lean in (False, True):
+        cache = new_cache()
+        ctx = lean_layers(model, pack=True) if lean else contextlib.nullcontext()
+        with torch.no_grad(), ctx:
+            model(input_ids=ids[:, :300], cache=cache, use_cache=True)
+            outs.append(model(input_ids=ids[:, 300:], attention_mask=mask, cache=cache, use_cache=True).logits.float())
+    assert len(packed) == len(decoder_layers(model))
+    assert torch.allclose(outs[0], outs[1], rtol=0, atol=0.01 * outs[0].abs().max().item())
+    with torch.no_grad(), lean_layers(model, pack=True):
+        cache = new_cache()
+        model(input_ids=ids[:, :280], cache=cache, use_cache=True)  # a prefill's many tokens: unpacked
+        short = torch.zeros(2, 1, 3, 283, dtype=torch.bfloat16)  # a few tokens over fewer than PACK_KEYS: unpacked
+        model(input_ids=ids[:, 280:283], attention_mask=short, cache=cache, use_cache=True)
+    assert len(packed) == len(decoder_layers(model))
+
+
+def _counting(fn, calls: list):
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[2])
+        return fn(*args, **kwargs)
+    return counted
