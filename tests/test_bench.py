@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -227,3 +229,21 @@ def test_a_longer_output_than_plain_s_is_compared_with_plain_kept_from_stopping(
     assert plain.prompt_tokens[0] <= 3 and runs_on.prompt_tokens == [8]
     assert forced == [(8, 8)] and list(runs_on.same_length) == [0]
     assert runs_on.ratio(plain, 0) == runs_on.prompt_rates[0] / runs_on.same_length[0][0]
+
+
+def test_the_long_prompts_example_writes_prompts_the_bench_reads(tmp_path, monkeypatch, capsys):
+    """`examples/long_prompts.py` prints long ShareGPT conversations, each cut to --chars and asking for a summary,
+    as .jsonl that `--prompts` reads back."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "long_prompts.py"
+    spec = importlib.util.spec_from_file_location("long_prompts", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.setattr(sys, "argv", ["long_prompts.py", "--count", "3", "--chars", "4000"])
+    example.main()
+    out = tmp_path / "long.jsonl"
+    out.write_text(capsys.readouterr().out)
+    prompts = read_prompts(str(out), None)
+    assert len(prompts) == 3 and len(set(prompts)) == 3
+    for prompt in prompts:
+        assert prompt.startswith("Read this conversation:\n\n") and prompt.endswith(example.ASK)
+        assert len(prompt) == len("Read this conversation:\n\n") + 4000 + len(example.ASK)
