@@ -48,7 +48,7 @@ LEAN_MODULES: dict[str, Callable[[nn.Module], dict] | None] = {
     "transformers.models.qwen2.modeling_qwen2": lambda attn: {"sliding_window": attn.sliding_window},
     "transformers.models.qwen3.modeling_qwen3": lambda attn: {"sliding_window": attn.sliding_window},
 }
-PACK_QUERIES, PACK_KEYS = 8, 1024  # several query tokens attend packed (`pack`): at most this many, to this many keys or more
+PACK_QUERIES, PACK_KEYS = 8, 1024  # a few query tokens attend packed (`pack`): this many at most, over this many keys
 TRIAL_TOKENS = 3  # tokens of the input a class's lean forward is checked on, once per process (`_checked`)
 
 _checked: dict[tuple, bool] = {}  # (layer class, attention, dtype, device type) -> the lean forward matched the own
@@ -123,8 +123,8 @@ def _packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 
 def lean_forward(layer: nn.Module, pack: bool = False) -> Callable[..., torch.Tensor]:
-    """The decoder layer's forward as one function over its parts (see the module's docstring); `pack`: up to
-    PACK_QUERIES query tokens in half precision attend packed."""
+    """The decoder layer's forward as one function over its parts (see the module's docstring); `pack`: in half
+    precision one query token attends packed, and so do up to PACK_QUERIES over PACK_KEYS keys or more."""
     attn, mlp = layer.self_attn, layer.mlp
     norm_in, norm_post = layer.input_layernorm.forward, layer.post_attention_layernorm.forward
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
@@ -135,7 +135,8 @@ def lean_forward(layer: nn.Module, pack: bool = False) -> Callable[..., torch.Te
     head_dim, layer_idx, scaling = attn.head_dim, attn.layer_idx, attn.scaling
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager)
     # SDPA on the CPU: several query tokens attend to shared key/value heads without transformers' copies of
-    # them per query head (`repeat_kv`), bitwise the same; one query token in half precision, packed (above)
+    # them per query head (`repeat_kv`), bitwise the same; in half precision one query token (or a few over a
+    # long text) packed (above)
     gqa = (attention is sdpa_attention_forward and layer.input_layernorm.weight.device.type == "cpu"
            and attn.num_key_value_groups > 1)
     pack = pack and layer.input_layernorm.weight.dtype != torch.float32
