@@ -45,6 +45,10 @@ class GenerationStats:
     accepted_lengths: list[int] = field(default_factory=list)  # drafted tokens accepted per verify step and row
     verified_tokens: int = 0  # tokens verified (root included) over all verify steps and rows
     head_drafts: int = 0  # verify steps whose tree the heads drafted (the others verified the lookup chain alone)
+    # verify steps taken while the call still learnt how this machine multiplies (the linear forms, and the weight
+    # copies they compute from: first calls on a machine, then kept in the user cache): until the call is far enough
+    # ahead of plain decoding to afford that, such steps verify one token
+    learning_steps: int = 0
     stage_seconds: dict[str, float] = field(default_factory=dict)  # filled when profiling
 
     @property
@@ -234,6 +238,8 @@ def clover_generate(
                                   plan.lookup_max, sample, verify, plan.setting, forms_settled)
         clock = _Clock(stats.stage_seconds if clover_profile else None, device)  # the steps' stages, from here
         while batch.active:
+            if plan.trials is not None and not plan.trials.ready():
+                stats.learning_steps += 1
             if budget is not None and plan.trials is not None:  # a first call learns wider forms once it runs long
                 budget.cap = 1 if plan.trials.one_token_steps() else None
             drafts, chains = _draft(batch.active, plan, budget, stats, clock)

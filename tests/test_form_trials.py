@@ -81,6 +81,7 @@ def test_a_first_call_verifies_one_token_a_step_until_it_is_ahead_of_plain_enoug
     assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=budget), ref)
     stats = clover.generation_stats
     assert stats.verified_per_step == 1.0 and stats.head_drafts == 0
+    assert stats.learning_steps == len(stats.accepted_lengths) > 0  # every verify step, while the forms were learnt
     (trials,) = budget._trials.values()
     assert {2, 4, 8, 16} <= trials.pending and trials.one_token_steps()
     assert trials.plain_row_s is not None and trials.tokens == 23  # the tokens after the prefill's
@@ -352,3 +353,4 @@ def test_a_new_process_makes_the_stored_forms_copies_as_its_calls_get_ahead_of_p
     assert budget.copies.nbytes > 0 and trials.copied() and not budget._trials  # made: the trials end
     assert budget.form_trials(key, None, [base, clover.clover_heads]) is None
     assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=budget), ref)
+    assert clover.generation_stats.learning_steps == 0  # the forms and their copies are all there
