@@ -98,7 +98,8 @@ def test_a_lean_forward_that_does_not_match_is_not_used(monkeypatch):
     model = tiny_model("llama")
     monkeypatch.setattr(lean_module, "_checked", {})
     real = lean_module.lean_forward
-    monkeypatch.setattr(lean_module, "lean_forward", lambda layer, pack: (lambda *a, **k: real(layer, pack)(*a, **k) * 2))
+    monkeypatch.setattr(lean_module, "lean_forward",
+                        lambda layer, pack, masks: (lambda *a, **k: real(layer, pack, masks)(*a, **k) * 2))
     ids = prompt(length=8)
     with torch.no_grad():
         own = model(ids).logits
