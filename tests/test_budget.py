@@ -17,6 +17,7 @@ from clover_hf.budget import (
     COSTS_FILE,
     HEAD_BINS,
     MIN_PAUSE,
+    PAUSE_MARGIN,
     PROBE_STEPS,
     AcceptanceModel,
     HeadsGate,
@@ -326,6 +327,18 @@ def test_heads_gate_pauses_while_drafting_does_not_pay():
     assert gate.drafting() and gate.next_pause == 2 * MIN_PAUSE  # halved with each step that pays
     gate.record(draft_ms=0.0, augment_ms=0.0, tokens=3.0, verify_ms=10.0, rate_without=0.2)
     assert gate.drafting() and gate.next_pause == MIN_PAUSE
+
+
+def test_heads_a_little_slower_than_the_chain_alone_by_estimate_keep_drafting():
+    """Only a clear estimated loss pauses the heads (PAUSE_MARGIN): pausing costs what the estimate leaves out."""
+    assert 0.05 < PAUSE_MARGIN < 0.2  # the two cases below lie on either side of it
+    gate = HeadsGate()
+    for _ in range(2 * PROBE_STEPS):
+        gate.record(draft_ms=1.0, augment_ms=0.0, tokens=1.9, verify_ms=19.0, rate_without=0.1)  # 0.095: 5% slower
+    assert gate.gain == pytest.approx(-0.05) and all(gate.drafting() for _ in range(10))
+    for _ in range(PROBE_STEPS):
+        gate.record(draft_ms=1.0, augment_ms=0.0, tokens=1.2, verify_ms=19.0, rate_without=0.1)  # 0.06: 40% slower
+    assert not gate.drafting()
 
 
 def test_one_step_whose_lookup_chain_alone_did_better_does_not_pause_the_heads():
