@@ -456,8 +456,9 @@ FULL_DEPTH_EVERY = 8  # of drafting steps, those that draft the tree's full dept
 @dataclass
 class HeadsGate:
     """Whether to draft with the heads this step: not while recent steps say drafting costs clearly
-    more time than the tokens it adds are worth (PAUSE_MARGIN); after a pause (doubling while that holds, halving with
-    each drafting step that pays) it tries again, judging afresh over PROBE_STEPS drafting steps.
+    more time than the tokens it adds are worth (PAUSE_MARGIN); after a pause (doubling while that
+    holds, halving with each drafting step that pays) it tries again, judging afresh over PROBE_STEPS
+    drafting steps.
     And how deep: one level below the deepest drafted node the last drafting step verified (each
     level costs a head pass), the tree's full depth now and then."""
 
