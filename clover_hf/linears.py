@@ -204,6 +204,17 @@ def form_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return F.linear(x, weight, bias)
 
 
+def form_product(form: str, weight: torch.Tensor | None, bias: torch.Tensor | None, copy: torch.Tensor | None = None
+                 ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`form_linear(x, weight, bias, form, copy)` as a function of x, its dispatch done once: the forms of nearly
+    every product in decoding (ATen's kernel at one row, oneDNN's blocked layout above) call their kernel directly."""
+    if form == NATIVE:
+        return lambda x: native_linear(x, weight, bias)
+    if form == PACKED and copy is not None:
+        return lambda x: _packed_linear(x, copy, bias)
+    return lambda x: form_linear(x, weight, bias, form, copy)
+
+
 def form_for(forms: LinearForms, rows: int) -> str:
     """The form for `rows` rows: that of the largest power of two at or below it (at most MAX_ROWS)."""
     if not forms:
@@ -667,7 +678,7 @@ class _Stacked:
         if self.alone:
             return form_linear(x, layer.weight, layer.bias, form)  # without a copy until the next block
         if layer is self.first:
-            return self._first(x, form)
+            return self._split(x, form_linear(x, None, self.bias, form, self.copy))
         if x is self.input and id(layer) in self.outputs:
             return self.outputs.pop(id(layer))
         self.alone = True
@@ -675,11 +686,8 @@ class _Stacked:
         self.input, self.outputs = None, {}
         return form_linear(x, layer.weight, layer.bias, form)
 
-    def _first(self, x: torch.Tensor, form: str) -> torch.Tensor:
-        if form == PACKED:
-            out = _packed_linear(x, self.copy, self.bias)
-        else:
-            out = form_linear(x, None, self.bias, form, self.copy)
+    def _split(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The first layer's part of the group's product `out` of `x`; the others' are kept for them."""
         parts = out.split(self.sizes, dim=-1)
         self.input, self.outputs = x, dict(zip(self.ids[1:], parts[1:]))
         return parts[0]
@@ -687,7 +695,8 @@ class _Stacked:
     def member(self, layer: nn.Linear, form: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """`layer`'s product in `form`, as `__call__` computes it, with what can be looked up once bound."""
         if layer is self.first:
-            return lambda x: self(layer, x, form) if self.alone else self._first(x, form)
+            compute = form_product(form, None, self.bias, self.copy)
+            return lambda x: self(layer, x, form) if self.alone else self._split(x, compute(x))
         key = id(layer)
 
         def sibling(x: torch.Tensor) -> torch.Tensor:
@@ -734,17 +743,9 @@ def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: Weight
 
     def product(m: nn.Linear, form: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """How `m` computes in `form` in this block."""
-        weight, bias = m.weight, m.bias
-        if form != kind:
-            if form == NATIVE:
-                return lambda x: native_linear(x, weight, bias)
-            return lambda x: form_linear(x, weight, bias, form)
-        if id(m) in stacked:
+        if form == kind and id(m) in stacked:
             return stacked[id(m)].member(m, form)
-        copy = made.get(id(m))
-        if form == PACKED and copy is not None:
-            return lambda x: _packed_linear(x, copy, bias)
-        return lambda x: form_linear(x, weight, bias, form, copy)
+        return form_product(form, m.weight, m.bias, made.get(id(m)) if form == kind else None)
 
     def bind(m: nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
         """`m`'s forward in the block, each row count's product looked up once: SmolLM2's verify forwards in situ,
