@@ -13,8 +13,8 @@ token to shared key/value heads (`enable_gqa`, what transformers asks for where 
 slower than with the query heads packed as rows of their key/value head (transformers' `pack_gqa`): 119
 against 24 us at 300 keys in bf16, 30 layers a token. A verify forward's few masked query tokens gain where
 the text is long: 2-6 tokens over 1,200-1,800 keys took 1-1.5 ms less a forward packed (5%), while over
-150-300 keys they took 0.3-0.8 ms more, and over about 600 as long (AVX-512-bf16 EPYC, SmolLM2's 9 query
-heads on 3; from 12 tokens up packing measured no faster). So up to PACK_QUERIES tokens attend packed over
+150-300 keys, alternating packed and not within a call, 2-8 tokens took as long either way (within 0.2 ms)
+(AVX-512-bf16 EPYC, SmolLM2's 9 query heads on 3; from 12 tokens up packing measured no faster). So up to PACK_QUERIES tokens attend packed over
 PACK_KEYS keys or more. Packed, attention rounds the same but for rare last bits (4 inputs in 45 differed
 in bf16), and bf16 decoding can drift from plain `generate`'s within 64 tokens.
 
