@@ -45,17 +45,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import bf16_kernel
 from .quantized import plain
 
 LINEAR, TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED, NATIVE = "linear", "transposed", "float32", "float32_transposed", "native"
 # forms computed from a copy of the weight made once: oneDNN's blocked layout (in the weight's dtype, where
 # oneDNN computes it), a float32 copy used as W @ x.T, a float32 copy in oneDNN's blocked layout, a float16
-# copy packed for FBGEMM (of weights float16 holds exactly; computed in float32)
-PACKED, FLOAT32_COPY, FLOAT32_PACKED, FLOAT16_PACKED = "packed", "float32_copy", "float32_packed", "float16_packed"
-COPIES = (PACKED, FLOAT32_COPY, FLOAT32_PACKED, FLOAT16_PACKED)
+# copy packed for FBGEMM (of weights float16 holds exactly; computed in float32), a bf16 copy tiled for
+# `bf16_kernel` (on CPUs with AVX-512-BF16, where it is built)
+PACKED, FLOAT32_COPY, FLOAT32_PACKED, FLOAT16_PACKED, TILED = (
+    "packed", "float32_copy", "float32_packed", "float16_packed", "tiled")
+COPIES = (PACKED, FLOAT32_COPY, FLOAT32_PACKED, FLOAT16_PACKED, TILED)
 # the same product without a copy; a layer float16 cannot hold exactly (some of the heads' tiny weights) takes
 # F.linear, which in bf16 is faster than converting the weight to float32 for every product
-WITHOUT_COPY = {PACKED: LINEAR, FLOAT32_COPY: FLOAT32_TRANSPOSED, FLOAT32_PACKED: FLOAT32, FLOAT16_PACKED: LINEAR}
+WITHOUT_COPY = {PACKED: LINEAR, FLOAT32_COPY: FLOAT32_TRANSPOSED, FLOAT32_PACKED: FLOAT32, FLOAT16_PACKED: LINEAR,
+                TILED: LINEAR}
 FORMS = (LINEAR, TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED, NATIVE, *COPIES)
 PACK_ROWS = 16  # the row count oneDNN lays a packed weight out for (verify forwards of a few to tens of tokens)
 FLOAT16_SHARE = 0.9  # float16 copies are tried where float16 holds at least this share of the weights exactly
@@ -157,12 +161,15 @@ def float16_exact(weight: torch.Tensor) -> bool:
 
 def make_copy(weight: torch.Tensor, form: str) -> torch.Tensor | None:
     """The copy of `weight` that `form` (one of COPIES) computes from; None for FLOAT16_PACKED where
-    float16 does not hold the weight exactly (the product would differ from F.linear's).
+    float16 does not hold the weight exactly (the product would differ from F.linear's), and for TILED
+    where the kernel does not take the weight's shape.
 
     oneDNN's packing is private torch API (`torch.ops.mkldnn._reorder_linear_weight` and
     `_linear_pointwise`, what inductor's freezing emits for CPU linears); no public API lays a weight out
     once for eager products. Both uses are here and in `_packed_linear`, pinned by tests/test_linears.py."""
     weight = weight.detach()
+    if form == TILED:
+        return bf16_kernel.tile(weight) if bf16_kernel.fits(weight) else None
     if form == FLOAT16_PACKED:
         return _fp16_pack(weight) if float16_exact(weight) else None
     if form == FLOAT32_COPY:
@@ -191,6 +198,8 @@ def form_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             return _packed_linear(x.float(), copy, None if bias is None else bias.float()).to(x.dtype)
         elif form == FLOAT16_PACKED:
             return _fp16_linear(x, copy, bias)
+        elif form == TILED:
+            return bf16_kernel.linear(x, copy, bias)
         else:
             return _packed_linear(x, copy, bias)
     if form == NATIVE:
@@ -212,6 +221,8 @@ def form_product(form: str, weight: torch.Tensor | None, bias: torch.Tensor | No
         return lambda x: native_linear(x, weight, bias)
     if form == PACKED and copy is not None:
         return lambda x: _packed_linear(x, copy, bias)
+    if form == TILED and copy is not None:
+        return bf16_kernel.product(copy, bias)
     return lambda x: form_linear(x, weight, bias, form, copy)
 
 
@@ -460,7 +471,7 @@ def shape_keys(models: Iterable[nn.Module]) -> dict[int, tuple[tuple[int, ...], 
 def one_row_forms(candidates: list[str], half: bool) -> list[str]:
     """The candidates one row tries: a float32 copy reads more than it saves, and W @ x.T in half precision
     is ATen's slow product."""
-    return [form for form in candidates if form in (NATIVE, PACKED) or (form == TRANSPOSED and not half)]
+    return [form for form in candidates if form in (NATIVE, PACKED, TILED) or (form == TRANSPOSED and not half)]
 
 
 @torch.no_grad()
@@ -613,7 +624,8 @@ def copy_forms_for(dtype: torch.dtype) -> list[str]:
     """The forms of COPIES this CPU computes for weights of `dtype`: oneDNN's blocked layout where
     oneDNN computes the dtype (float32; bf16 on CPUs with native bf16), else, for half precision,
     FBGEMM's float16 copies where torch has FBGEMM and a float32 copy (and its blocked layout where
-    torch has oneDNN)."""
+    torch has oneDNN). bf16 weights tiled for `bf16_kernel` come first where it is built: calls that learn
+    their forms (`form_trials`) try the first kind only."""
     half = dtype in (torch.float16, torch.bfloat16)
     fp16 = [FLOAT16_PACKED] if half and fbgemm_packs() else []
     if dtype == torch.float32:
@@ -622,7 +634,8 @@ def copy_forms_for(dtype: torch.dtype) -> list[str]:
         # the blocked layout in the weights' own dtype where oneDNN has it: on the Intel Xeon with AMX,
         # FBGEMM's float16 copies (the same bytes, float32 products) took 1.4x its time at 2 rows and 11x
         # at 256, and packing and timing them was a third of the forms' timing
-        return [PACKED] if onednn_packs() else fp16
+        tiled = [TILED] if dtype == torch.bfloat16 and bf16_kernel.available() else []
+        return tiled + ([PACKED] if onednn_packs() else fp16)
     return fp16 + [FLOAT32_COPY, *([FLOAT32_PACKED] if onednn_packs() else [])] if half else []
 
 

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, GenerationMixin
 from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.configuration_utils import GenerationMode
 
+from . import bf16_kernel
 from .budget import CostModel, DraftBudget
 from .cache import capacity, given_cache, is_static, static_sliding_layers
 from .card import write_model_card
@@ -100,6 +101,8 @@ class CloverForCausalLM(nn.Module):
         # "auto": each step verifies what pays on this machine (see `generate`); "full": the whole tree
         self.budget: str | CostModel | DraftBudget = "auto"
         self._draft_budget = DraftBudget()  # what "auto" learns across calls: verify costs, acceptance
+        if base_model.dtype == torch.bfloat16 and base_model.device.type == "cpu":
+            bf16_kernel.prepare()  # built meanwhile, for the first call's verify forwards
 
     @property
     def clover_config(self) -> CloverConfig:

@@ -1,0 +1,169 @@
+"""The compiled AVX-512-BF16 product (`bf16_kernel`): its build, its exactness against a float64 product, and
+its use as the "tiled" linear form in whole forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from clover_hf import bf16_kernel
+from clover_hf.linears import TILED, WeightCopies, form_linear, linear_forms, make_copy
+
+from .tiny import tiny_model
+
+needs_kernel = pytest.mark.skipif(not bf16_kernel.cpu_supports(), reason="the CPU has no AVX-512-BF16")
+
+
+def _close_to_float64(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """`out` is the bf16 rounding of the exact product, give or take float32 summation: within one bf16 step."""
+    exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    step = exact.abs().clamp_min(1e-3) * 2.0 ** -7  # bf16 keeps 8 significant bits
+    assert out.dtype == torch.bfloat16 and out.shape == exact.shape
+    assert ((out.double() - exact).abs() <= step).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 21])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_kernel_computes_the_product_to_bf16_rounding(rows, with_bias):
+    """Every row count (the kernel takes rows eight at a time, one row in two interleaved sums), odd and even
+    numbers of input pairs, with and without a bias, and inputs of more than two dimensions."""
+    assert bf16_kernel.available()
+    torch.manual_seed(rows)
+    for out_features, in_features in ((96, 64), (32, 6), (64, 10)):
+        weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+        bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
+        x = torch.randn(2, rows, in_features, dtype=torch.bfloat16)
+        out = bf16_kernel.linear(x, bf16_kernel.tile(weight), bias)
+        _close_to_float64(out, x, weight, bias)
+        # a strided input (a slice of a wider tensor) gives the same result as its contiguous copy
+        wide = torch.randn(rows, 2 * in_features, dtype=torch.bfloat16)
+        assert torch.equal(bf16_kernel.linear(wide[:, ::2], bf16_kernel.tile(weight), bias),
+                           bf16_kernel.linear(wide[:, ::2].contiguous(), bf16_kernel.tile(weight), bias))
+
+
+def test_the_tiled_form_copies_only_weights_the_kernel_takes():
+    """A multiple of 32 output rows, an even number of inputs, bf16 on the CPU: other weights get no copy,
+    and their product computes without one, as F.linear does."""
+    assert bf16_kernel.fits(torch.zeros(64, 8, dtype=torch.bfloat16))
+    for weight in (torch.zeros(48, 8, dtype=torch.bfloat16), torch.zeros(64, 7, dtype=torch.bfloat16),
+                   torch.zeros(64, 8)):
+        assert not bf16_kernel.fits(weight)
+        assert make_copy(weight, TILED) is None
+    weight = torch.randn(48, 8, dtype=torch.bfloat16)
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    assert torch.equal(form_linear(x, weight, None, TILED, None), F.linear(x, weight))
+    tiled = bf16_kernel.tile(torch.arange(64 * 4, dtype=torch.bfloat16).reshape(64, 4))
+    assert tiled.shape == (2, 2, 32, 2) and tiled[1, 1, 3].tolist() == [(32 + 3) * 4 + 2, (32 + 3) * 4 + 3]
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
+def test_whole_forwards_in_the_tiled_form_match_f_linear(arch):
+    """A tiny bf16 model's forwards of 1-16 tokens with every layer in the tiled form, q/k/v (qwen2: with
+    biases) and gate/up stacked into one tiled copy, match its forwards in F.linear to bf16 rounding."""
+    assert bf16_kernel.available()
+    model = tiny_model(arch, dtype=torch.bfloat16)
+    copies = WeightCopies(limit=10**9)
+    ids = torch.randint(0, 256, (1, 16))
+    for n in (1, 2, 5, 16):
+        with torch.no_grad():
+            want = model(ids[:, :n]).logits.float()
+            with linear_forms([model], {1: TILED, 2: TILED, 4: TILED, 8: TILED, 16: TILED}, copies):
+                got = model(ids[:, :n]).logits.float()
+        assert copies.nbytes > 0 and bool(copies.stacked) == (arch != "phi3")  # phi3's q/k/v come stacked
+        assert torch.allclose(got, want, atol=0.05, rtol=0.05), (got - want).abs().max()
+    assert not torch.equal(got, torch.zeros_like(got))
+
+
+def test_where_built_the_kernel_is_the_first_kind_of_copy_for_bf16_weights(monkeypatch):
+    """It comes before oneDNN's blocked layout (calls that learn their forms try the first kind only), one
+    row tries it, and float32 weights never get it."""
+    import clover_hf.linears as linears
+    from clover_hf.form_trials import FormTrials
+
+    monkeypatch.setattr(linears, "onednn_serves", lambda d: True)
+    monkeypatch.setattr(linears, "onednn_packs", lambda: True)
+    monkeypatch.setattr(bf16_kernel, "available", lambda: True)
+    assert linears.copy_forms_for(torch.bfloat16) == [TILED, "packed"]
+    assert linears.copy_forms_for(torch.float32) == ["packed"]
+    assert TILED in linears.one_row_forms([TILED, "native", "packed"], half=True)
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    trials = FormTrials([model], WeightCopies(limit=10**9))
+    assert trials.copy_kind == TILED and TILED in trials.candidates[1] and TILED in trials.candidates[8]
+    monkeypatch.setattr(bf16_kernel, "available", lambda: False)
+    assert linears.copy_forms_for(torch.bfloat16) == ["packed"]
+
+
+@needs_kernel
+def test_clover_decodes_with_tiled_verify_forwards(monkeypatch):
+    """bf16 Clover with every verify width in the tiled form: tiled copies made once per layer (or stacked
+    group) that fits, the products computed by the kernel, whole trees verified, tokens as many as asked."""
+    from clover_hf import CloverForCausalLM, CostModel, DraftBudget
+
+    from .tiny import prompt
+
+    calls = []
+    real = bf16_kernel.product
+
+    def counted(tiled, bias):
+        compute = real(tiled, bias)
+        return lambda x: calls.append(x.shape[-2] if x.dim() > 1 else 1) or compute(x)
+
+    monkeypatch.setattr(bf16_kernel, "product", counted)
+    clover = CloverForCausalLM.from_base(tiny_model("llama", dtype=torch.bfloat16), lookup_tokens=3)
+    costs = CostModel.from_function(lambda rows, width: 10.0, draft_ms=0.0)  # the whole tree every step
+    costs.forms = {1 << k: TILED for k in range(9)}
+    budget = DraftBudget(costs=costs)
+    ids = prompt(4)
+    out = clover.generate(ids, max_new_tokens=30, do_sample=False, budget=budget)
+    assert out.shape == (1, ids.shape[1] + 30) and torch.equal(out[:, :ids.shape[1]], ids)
+    assert clover.generation_stats.verified_per_step > 2
+    assert budget.copies.nbytes > 0 and max(calls) > 2 and len(calls) > 30
+
+
+def test_without_a_compiler_the_kernel_is_left_out_with_torchs_kernels_computing(tmp_path, monkeypatch, caplog):
+    """A machine with no C compiler (or a build that fails) gets no kernel and no error: the forms do not
+    offer it, and the build is not tried again in the process."""
+    monkeypatch.setattr(bf16_kernel, "_library", None)
+    monkeypatch.setattr(bf16_kernel, "_failed", False)
+    monkeypatch.setattr(bf16_kernel, "_build", None)
+    monkeypatch.setattr(bf16_kernel, "cpu_supports", lambda: True)
+    monkeypatch.setenv("CLOVER_HF_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    from clover_hf.linears import copy_forms_for
+
+    with caplog.at_level("INFO", logger="clover_hf.bf16_kernel"):
+        assert not bf16_kernel.available()
+    assert "not built" in caplog.text
+    assert not list((tmp_path / "kernels").glob("*"))  # nothing half-written left behind
+    assert TILED not in copy_forms_for(torch.bfloat16)
+    monkeypatch.delenv("CC")
+    assert not bf16_kernel.available()  # not tried again
+
+
+@needs_kernel
+def test_the_kernel_is_built_once_into_the_cache_and_loaded_from_there(tmp_path, monkeypatch):
+    monkeypatch.setattr(bf16_kernel, "_library", None)
+    monkeypatch.setattr(bf16_kernel, "_failed", False)
+    monkeypatch.setattr(bf16_kernel, "_build", None)
+    monkeypatch.setenv("CLOVER_HF_CACHE", str(tmp_path))
+    bf16_kernel.prepare()  # in the background, as a model load starts it
+    assert bf16_kernel.available()
+    built = bf16_kernel.library_path(tmp_path)
+    assert built.exists() and [p.name for p in (tmp_path / "kernels").iterdir()] == [built.name]
+    stamp = built.stat().st_mtime_ns
+    monkeypatch.setattr(bf16_kernel, "_library", None)
+    monkeypatch.setattr(bf16_kernel, "_build", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))  # no compiler needed once built (the name
+    monkeypatch.setattr(bf16_kernel, "library_path", lambda cache_dir=None: built)  # depends on it)
+    assert bf16_kernel.available() and built.stat().st_mtime_ns == stamp
+
+
+def test_the_kernel_is_off_where_asked_or_where_torch_acts_as_an_avx2_cpu(monkeypatch):
+    monkeypatch.setenv("CLOVER_HF_KERNEL", "0")
+    assert not bf16_kernel.cpu_supports()
+    monkeypatch.delenv("CLOVER_HF_KERNEL")
+    monkeypatch.setattr(bf16_kernel, "cpu_capability", lambda: "AVX2")
+    assert not bf16_kernel.cpu_supports()
