@@ -1,14 +1,19 @@
-"""A compiled product of a few bf16 rows by a weight, for CPUs with AVX-512-BF16 (`kernels/bf16_rows.c`).
+"""A compiled product of a few bf16 rows by a weight, for x86 CPUs with AVX2 or AVX-512-BF16
+(`kernels/bf16_rows.c`).
 
 Verify forwards multiply 1-16 rows by every weight. On the AVX-512-bf16 EPYC (2 threads), 120 products of
 SmolLM2's decoder shapes took, in ms at 1 / 2 / 4 / 8 / 16 rows:
 
-    ATen's own kernel (oneDNN off)      5.7 / 9.7 / 18.3 /  -  /  -
-    oneDNN, weights in its blocked layout 6.1 / 5.7 /  5.8 / 6.8 / 8.4
-    this kernel, weights tiled once       3.5 / 3.7 /  3.8 / 4.5 / 6.7
+    ATen's own kernel (oneDNN off)           5.7 / 9.7 / 18.3 /  -   /  -
+    oneDNN, weights in its blocked layout     6.1 / 5.7 /  5.8 /  6.8 /  8.4
+    this kernel, AVX-512-BF16, weights tiled  3.5 / 3.7 /  3.8 /  4.5 /  6.7
+    this kernel built for AVX2 (same CPU)     5.3 / 7.2 / 11.5 / 16.1 / 24.5
 
-It reads each weight byte once for up to eight rows, in a layout that streams through memory in order,
-and returns with a few microseconds of call overhead (oneDNN's blocked product had ~10 us fixed).
+It reads each weight byte once for a block of rows (8 with AVX-512-BF16's bf16 pair products, 4 with
+AVX2, which widens the weights to float32 in registers), in a layout that streams through memory in
+order, and returns with a few microseconds of call overhead (oneDNN's blocked product had ~10 us fixed).
+Where torch has no native bf16 products (AVX2-only CPUs) it converts bf16 to float32 around each one;
+this kernel reads the bf16 bytes alone. Like every form, it is used only where timed faster.
 It is built once per machine with the system's C compiler (`$CC`, else `cc` or `gcc`) into the cache
 directory, in a background thread started when a bf16 model is loaded on such a CPU; where no compiler
 builds it, or `CLOVER_HF_KERNEL=0`, products use torch's kernels as before. Sums are float32, as
@@ -37,7 +42,8 @@ from .user_cache import default_cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "kernels" / "bf16_rows.c"
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+ISA_FLAGS = {"avx512_bf16": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"), "avx2": ("-mavx2", "-mfma")}
 KERNEL_ENV = "CLOVER_HF_KERNEL"  # "0": never build or use the kernel
 TILE = 32  # output columns per tile: a weight needs a multiple of it, and an even number of inputs
 
@@ -47,26 +53,40 @@ _library: ctypes.CDLL | None = None
 _failed = False
 
 
-def cpu_supports() -> bool:
-    """Whether this CPU runs the kernel and torch is not told to act as an older one (ATEN_CPU_CAPABILITY)."""
+def instruction_set() -> str | None:
+    """The instruction set the kernel is built for here: "avx512_bf16", else "avx2" (with FMA), else None
+    (another CPU, or `CLOVER_HF_KERNEL=0`). Where torch is told to act as an older CPU
+    (`ATEN_CPU_CAPABILITY=avx2`), so is the kernel."""
     if os.environ.get(KERNEL_ENV, "1") == "0" or platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    if not cpu_capability().upper().startswith("AVX512"):
-        return False
-    return {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= _cpu_flags()
+        return None
+    capability, flags = cpu_capability().upper(), _cpu_flags()
+    if capability.startswith("AVX512") and {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags:
+        return "avx512_bf16"
+    if capability.startswith(("AVX2", "AVX512")) and {"avx2", "fma"} <= flags:
+        return "avx2"
+    return None
+
+
+def cpu_supports() -> bool:
+    """Whether this CPU runs the kernel."""
+    return instruction_set() is not None
 
 
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def library_path(cache_dir: Path | None = None) -> Path:
-    """Where the built kernel is kept: named by its source, flags and compiler, so a change builds it anew."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((*FLAGS, str(_compiler()))).encode()).hexdigest()[:16]
-    return (cache_dir or default_cache_dir()) / "kernels" / f"bf16_rows-{digest}.so"
+def _flags(isa: str) -> tuple[str, ...]:
+    return (*FLAGS, *ISA_FLAGS[isa])
 
 
-def _built(path: Path) -> Path:
+def library_path(isa: str, cache_dir: Path | None = None) -> Path:
+    """Where the kernel built for `isa` is kept: named by its source, flags and compiler, so a change builds it anew."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((*_flags(isa), str(_compiler()))).encode()).hexdigest()[:16]
+    return (cache_dir or default_cache_dir()) / "kernels" / f"bf16_rows-{isa}-{digest}.so"
+
+
+def _built(path: Path, isa: str) -> Path:
     """`path`, built there if missing (written under a temporary name first: a reader never sees half a file)."""
     if path.exists():
         return path
@@ -77,7 +97,7 @@ def _built(path: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *_flags(isa), "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -85,17 +105,22 @@ def _built(path: Path) -> Path:
     return path
 
 
-def _load() -> None:
+def load(isa: str, cache_dir: Path | None = None) -> ctypes.CDLL:
+    """The kernel built for `isa` (one of ISA_FLAGS), built first where missing; raises where it cannot be."""
+    lib = ctypes.CDLL(str(_built(library_path(isa, cache_dir), isa)))
+    lib.bf16_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    lib.bf16_rows.restype = ctypes.c_int
+    return lib
+
+
+def _load(isa: str) -> None:
     global _library, _failed
     try:
-        lib = ctypes.CDLL(str(_built(library_path())))
-        lib.bf16_rows.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-        lib.bf16_rows.restype = None
-        _library = lib
+        _library = load(isa)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or ""
-        logger.info("clover_hf: the AVX-512-BF16 kernel was not built (%s%s); torch's kernels compute instead",
-                    e, f": {detail.strip()[-500:]}" if detail else "")
+        logger.info("clover_hf: the %s kernel was not built (%s%s); torch's kernels compute instead",
+                    isa, e, f": {detail.strip()[-500:]}" if detail else "")
         _failed = True
 
 
@@ -104,8 +129,9 @@ def prepare() -> None:
     so that the first `generate` call finds it ready."""
     global _build
     with _lock:
-        if _build is None and _library is None and not _failed and cpu_supports():
-            _build = threading.Thread(target=_load, name="clover-hf-kernel", daemon=True)
+        isa = None if _build is not None or _library is not None or _failed else instruction_set()
+        if isa is not None:
+            _build = threading.Thread(target=_load, args=(isa,), name="clover-hf-kernel", daemon=True)
             _build.start()
 
 
@@ -140,7 +166,8 @@ def product(tiled: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.T
     def compute(x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, in_features).contiguous()
         out = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
-        run(rows.data_ptr(), weight_at, bias_at, out.data_ptr(), rows.shape[0], in_features, out_features, threads)
+        if run(rows.data_ptr(), weight_at, bias_at, out.data_ptr(), rows.shape[0], in_features, out_features, threads):
+            raise MemoryError(f"bf16_kernel: no memory for {rows.shape[0]} rows in float32")
         return out.reshape(*x.shape[:-1], out_features)
 
     compute.keep = (tiled, bias)  # the memory the pointers above point into

@@ -52,7 +52,7 @@ LINEAR, TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED, NATIVE = "linear", "transposed"
 # forms computed from a copy of the weight made once: oneDNN's blocked layout (in the weight's dtype, where
 # oneDNN computes it), a float32 copy used as W @ x.T, a float32 copy in oneDNN's blocked layout, a float16
 # copy packed for FBGEMM (of weights float16 holds exactly; computed in float32), a bf16 copy tiled for
-# `bf16_kernel` (on CPUs with AVX-512-BF16, where it is built)
+# `bf16_kernel` (on x86 CPUs with AVX2 or AVX-512-BF16, where it is built)
 PACKED, FLOAT32_COPY, FLOAT32_PACKED, FLOAT16_PACKED, TILED = (
     "packed", "float32_copy", "float32_packed", "float16_packed", "tiled")
 COPIES = (PACKED, FLOAT32_COPY, FLOAT32_PACKED, FLOAT16_PACKED, TILED)
@@ -628,15 +628,15 @@ def copy_forms_for(dtype: torch.dtype) -> list[str]:
     their forms (`form_trials`) try the first kind only."""
     half = dtype in (torch.float16, torch.bfloat16)
     fp16 = [FLOAT16_PACKED] if half and fbgemm_packs() else []
+    tiled = [TILED] if dtype == torch.bfloat16 and bf16_kernel.available() else []
     if dtype == torch.float32:
         return [PACKED] if onednn_packs() else []
     if half and onednn_serves(dtype):
         # the blocked layout in the weights' own dtype where oneDNN has it: on the Intel Xeon with AMX,
         # FBGEMM's float16 copies (the same bytes, float32 products) took 1.4x its time at 2 rows and 11x
         # at 256, and packing and timing them was a third of the forms' timing
-        tiled = [TILED] if dtype == torch.bfloat16 and bf16_kernel.available() else []
         return tiled + ([PACKED] if onednn_packs() else fp16)
-    return fp16 + [FLOAT32_COPY, *([FLOAT32_PACKED] if onednn_packs() else [])] if half else []
+    return tiled + fp16 + [FLOAT32_COPY, *([FLOAT32_PACKED] if onednn_packs() else [])] if half else []
 
 
 def copy_form(forms: LinearForms) -> str | None:

@@ -12,7 +12,12 @@ from clover_hf.linears import TILED, WeightCopies, form_linear, linear_forms, ma
 
 from .tiny import tiny_model
 
-needs_kernel = pytest.mark.skipif(not bf16_kernel.cpu_supports(), reason="the CPU has no AVX-512-BF16")
+needs_kernel = pytest.mark.skipif(not bf16_kernel.cpu_supports(), reason="the CPU has neither AVX2 nor AVX-512-BF16")
+FLAGS = bf16_kernel._cpu_flags()
+# each build this CPU runs: AVX-512-BF16's pair products, AVX2's widened weights
+BUILDS = [pytest.param(isa, marks=pytest.mark.skipif(not needs <= FLAGS, reason=f"the CPU has no {isa}"))
+          for isa, needs in (("avx512_bf16", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
+                             ("avx2", {"avx2", "fma"}))]
 
 
 def _close_to_float64(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -23,13 +28,20 @@ def _close_to_float64(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     assert ((out.double() - exact).abs() <= step).all()
 
 
-@needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, 21])
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Each build, made once into a folder of its own."""
+    folder = tmp_path_factory.mktemp("kernels")
+    return lambda isa: bf16_kernel.load(isa, folder)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 21])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_kernel_computes_the_product_to_bf16_rounding(rows, with_bias):
-    """Every row count (the kernel takes rows eight at a time, one row in two interleaved sums), odd and even
-    numbers of input pairs, with and without a bias, and inputs of more than two dimensions."""
-    assert bf16_kernel.available()
+def test_the_kernel_computes_the_product_to_bf16_rounding(isa, rows, with_bias, built, monkeypatch):
+    """Each build at every row count (rows go 8 or 4 at a time, fewer with sums split for more chains), odd
+    and even numbers of input pairs, with and without a bias, and inputs of more than two dimensions."""
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     torch.manual_seed(rows)
     for out_features, in_features in ((96, 64), (32, 6), (64, 10)):
         weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
@@ -41,6 +53,21 @@ def test_the_kernel_computes_the_product_to_bf16_rounding(rows, with_bias):
         wide = torch.randn(rows, 2 * in_features, dtype=torch.bfloat16)
         assert torch.equal(bf16_kernel.linear(wide[:, ::2], bf16_kernel.tile(weight), bias),
                            bf16_kernel.linear(wide[:, ::2].contiguous(), bf16_kernel.tile(weight), bias))
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_the_kernel_rounds_to_nearest_even_and_keeps_nan_and_inf_as_torch_does(isa, built, monkeypatch):
+    """Sums that fall exactly between two bf16 values, overflow and NaN: rounded as torch rounds float32 to bf16."""
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    one = torch.ones(32, 2, dtype=torch.bfloat16)
+    weight = torch.cat([one[:, :1], torch.zeros(32, 1, dtype=torch.bfloat16)], 1)
+    x = torch.tensor([[1.0, 0.0], [float("nan"), 0.0], [float("inf"), 0.0], [-3e38, 0.0]], dtype=torch.bfloat16)
+    # bias + 1 in float32: exactly halfway for the bf16s of 256 + 1 (rounds down to even) and 258 + 1 (up)
+    bias = torch.tensor([256.0, 258.0] * 16)
+    out = bf16_kernel.linear(x, bf16_kernel.tile(weight), bias)
+    want = (F.linear(x.float(), weight.float()) + bias).to(torch.bfloat16)
+    assert out[0, :2].tolist() == [256.0, 260.0]
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.nan_to_num(), want.nan_to_num())
 
 
 def test_the_tiled_form_copies_only_weights_the_kernel_takes():
@@ -58,12 +85,12 @@ def test_the_tiled_form_copies_only_weights_the_kernel_takes():
     assert tiled.shape == (2, 2, 32, 2) and tiled[1, 1, 3].tolist() == [(32 + 3) * 4 + 2, (32 + 3) * 4 + 3]
 
 
-@needs_kernel
+@pytest.mark.parametrize("isa", BUILDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
-def test_whole_forwards_in_the_tiled_form_match_f_linear(arch):
+def test_whole_forwards_in_the_tiled_form_match_f_linear(arch, isa, built, monkeypatch):
     """A tiny bf16 model's forwards of 1-16 tokens with every layer in the tiled form, q/k/v (qwen2: with
     biases) and gate/up stacked into one tiled copy, match its forwards in F.linear to bf16 rounding."""
-    assert bf16_kernel.available()
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     model = tiny_model(arch, dtype=torch.bfloat16)
     copies = WeightCopies(limit=10**9)
     ids = torch.randint(0, 256, (1, 16))
@@ -92,6 +119,9 @@ def test_where_built_the_kernel_is_the_first_kind_of_copy_for_bf16_weights(monke
     model = tiny_model("llama", dtype=torch.bfloat16)
     trials = FormTrials([model], WeightCopies(limit=10**9))
     assert trials.copy_kind == TILED and TILED in trials.candidates[1] and TILED in trials.candidates[8]
+    monkeypatch.setattr(linears, "onednn_serves", lambda d: False)  # an AVX2-only CPU: torch converts bf16
+    assert linears.copy_forms_for(torch.bfloat16)[0] == TILED
+    monkeypatch.setattr(linears, "onednn_serves", lambda d: True)
     monkeypatch.setattr(bf16_kernel, "available", lambda: False)
     assert linears.copy_forms_for(torch.bfloat16) == ["packed"]
 
@@ -129,7 +159,7 @@ def test_without_a_compiler_the_kernel_is_left_out_with_torchs_kernels_computing
     monkeypatch.setattr(bf16_kernel, "_library", None)
     monkeypatch.setattr(bf16_kernel, "_failed", False)
     monkeypatch.setattr(bf16_kernel, "_build", None)
-    monkeypatch.setattr(bf16_kernel, "cpu_supports", lambda: True)
+    monkeypatch.setattr(bf16_kernel, "instruction_set", lambda: "avx2")
     monkeypatch.setenv("CLOVER_HF_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     from clover_hf.linears import copy_forms_for
@@ -151,19 +181,28 @@ def test_the_kernel_is_built_once_into_the_cache_and_loaded_from_there(tmp_path,
     monkeypatch.setenv("CLOVER_HF_CACHE", str(tmp_path))
     bf16_kernel.prepare()  # in the background, as a model load starts it
     assert bf16_kernel.available()
-    built = bf16_kernel.library_path(tmp_path)
-    assert built.exists() and [p.name for p in (tmp_path / "kernels").iterdir()] == [built.name]
-    stamp = built.stat().st_mtime_ns
+    made = bf16_kernel.library_path(bf16_kernel.instruction_set(), tmp_path)
+    assert made.exists() and [p.name for p in (tmp_path / "kernels").iterdir()] == [made.name]
+    stamp = made.stat().st_mtime_ns
     monkeypatch.setattr(bf16_kernel, "_library", None)
     monkeypatch.setattr(bf16_kernel, "_build", None)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))  # no compiler needed once built (the name
-    monkeypatch.setattr(bf16_kernel, "library_path", lambda cache_dir=None: built)  # depends on it)
-    assert bf16_kernel.available() and built.stat().st_mtime_ns == stamp
+    monkeypatch.setattr(bf16_kernel, "library_path", lambda isa, cache_dir=None: made)  # depends on it)
+    assert bf16_kernel.available() and made.stat().st_mtime_ns == stamp
 
 
-def test_the_kernel_is_off_where_asked_or_where_torch_acts_as_an_avx2_cpu(monkeypatch):
+def test_the_build_follows_the_cpu_and_what_torch_is_told_to_act_as(monkeypatch):
+    monkeypatch.setattr(bf16_kernel, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512bw",
+                                                                       "avx512vl", "avx512_bf16"}))
+    monkeypatch.setattr(bf16_kernel, "cpu_capability", lambda: "AVX512")
+    assert bf16_kernel.instruction_set() == "avx512_bf16"
+    monkeypatch.setattr(bf16_kernel, "cpu_capability", lambda: "AVX2")  # ATEN_CPU_CAPABILITY=avx2
+    assert bf16_kernel.instruction_set() == "avx2"
+    monkeypatch.setattr(bf16_kernel, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))  # no bf16
+    monkeypatch.setattr(bf16_kernel, "cpu_capability", lambda: "AVX512")
+    assert bf16_kernel.instruction_set() == "avx2"
+    monkeypatch.setattr(bf16_kernel, "_cpu_flags", lambda: frozenset({"sse4_2"}))
+    assert bf16_kernel.instruction_set() is None and not bf16_kernel.cpu_supports()
+    monkeypatch.setattr(bf16_kernel, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
     monkeypatch.setenv("CLOVER_HF_KERNEL", "0")
-    assert not bf16_kernel.cpu_supports()
-    monkeypatch.delenv("CLOVER_HF_KERNEL")
-    monkeypatch.setattr(bf16_kernel, "cpu_capability", lambda: "AVX2")
     assert not bf16_kernel.cpu_supports()

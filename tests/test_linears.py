@@ -339,6 +339,7 @@ def test_one_kind_of_weight_copy_is_chosen(monkeypatch):
 
     monkeypatch.setattr(linears, "onednn_serves", lambda d: False)
     monkeypatch.setattr(linears, "onednn_packs", lambda: True)
+    monkeypatch.setattr(linears.bf16_kernel, "available", lambda: False)  # float32 copies here
     cost = {"linear": 1.0, "transposed": 0.85, "float32": 0.95, "float32_transposed": 0.95,
             "float32_copy": 0.6, "float32_packed": 0.7}
     # float32_packed is the faster copy at 2-4 rows only; float32_copy from 8 rows up, where it saves more

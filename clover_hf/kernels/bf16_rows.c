@@ -1,18 +1,25 @@
-/* y = x @ w.T (+ bias) for a few rows of bf16 x, on CPUs with AVX-512-BF16: sums in float32 by
- * vdpbf16ps, each weight byte read once for up to eight rows. Built and loaded by clover_hf/bf16_kernel.py.
+/* y = x @ w.T (+ bias) for a few rows of bf16 x: each weight byte read once for a block of rows, sums in
+ * float32. Built by clover_hf/bf16_kernel.py for one of two instruction sets:
+ *   AVX-512-BF16 (-mavx512bf16): vdpbf16ps multiplies pairs of bf16 inputs, eight rows a block;
+ *   AVX2 with FMA (-mavx2 -mfma): weights widened to float32 in registers (a shift), x converted to float32
+ *   once a call, four rows a block.
  *
- * The weight is laid out once in 32-column tiles, (ceil(O/32), I/2, 32, 2): tile t, input pair p, column c
- * holds w[32t + c, 2p : 2p + 2], so a tile streams through memory in order. O is a multiple of 32, I even. */
+ * The weight is laid out once in 32-column tiles, (O/32, I/2, 32, 2): tile t, input pair p, column c holds
+ * w[32t + c, 2p : 2p + 2], so a tile streams through memory in order. O is a multiple of 32, I even. */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
-#define MAX_ROWS 8
+#if defined(__AVX512BF16__)
+
+#define BLOCK 8
+typedef uint16_t xtype; /* x as given */
 
 /* R rows of x against one tile: two 16-column sums per row */
 #define TILE(R) \
-static void tile##R(const uint16_t* x, const uint16_t* wt, int pairs, int I, __m512* a0, __m512* a1) { \
+static void tile##R(const xtype* x, const uint16_t* wt, int pairs, int I, float* sums) { \
     __m512 s0[R], s1[R]; \
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) { s0[r] = _mm512_setzero_ps(); s1[r] = _mm512_setzero_ps(); } \
     const uint16_t* wp = wt; \
@@ -27,12 +34,15 @@ static void tile##R(const uint16_t* x, const uint16_t* wt, int pairs, int I, __m
             s1[r] = _mm512_dpbf16_ps(s1[r], xb, b1); \
         } \
     } \
-    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) { a0[r] = s0[r]; a1[r] = s1[r]; } \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) { \
+        _mm512_storeu_ps(sums + 32 * r, s0[r]); \
+        _mm512_storeu_ps(sums + 32 * r + 16, s1[r]); \
+    } \
 }
 TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8)
 
 /* one row: even and odd pairs summed apart, four chains of additions instead of two */
-static void tile1(const uint16_t* x, const uint16_t* wt, int pairs, int I, __m512* a0, __m512* a1) {
+static void tile1(const xtype* x, const uint16_t* wt, int pairs, int I, float* sums) {
     (void)I;
     __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), t0 = _mm512_setzero_ps(), t1 = _mm512_setzero_ps();
     const uint16_t* wp = wt;
@@ -54,33 +64,111 @@ static void tile1(const uint16_t* x, const uint16_t* wt, int pairs, int I, __m51
         s0 = _mm512_dpbf16_ps(s0, x0, (__m512bh)_mm512_loadu_si512(wp));
         s1 = _mm512_dpbf16_ps(s1, x0, (__m512bh)_mm512_loadu_si512(wp + 32));
     }
-    a0[0] = _mm512_add_ps(s0, t0);
-    a1[0] = _mm512_add_ps(s1, t1);
+    _mm512_storeu_ps(sums, _mm512_add_ps(s0, t0));
+    _mm512_storeu_ps(sums + 16, _mm512_add_ps(s1, t1));
 }
 
-typedef void (*tile_fn)(const uint16_t*, const uint16_t*, int, int, __m512*, __m512*);
-static const tile_fn TILES[MAX_ROWS + 1] = {0, tile1, tile2, tile3, tile4, tile5, tile6, tile7, tile8};
-
-static void store(uint16_t* y, __m512 sum, __m512 bias) {
-    _mm256_storeu_si256((__m256i*)y, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sum, bias)));
+/* 16 sums plus bias, rounded to bf16 (to nearest even, as torch rounds) */
+static void store16(uint16_t* y, const float* sums, const float* bias) {
+    __m512 s = _mm512_loadu_ps(sums);
+    if (bias)
+        s = _mm512_add_ps(s, _mm512_loadu_ps(bias));
+    _mm256_storeu_si256((__m256i*)y, (__m256i)_mm512_cvtneps_pbh(s));
 }
 
-static void tiles(const uint16_t* x, const uint16_t* wb, const float* bias, uint16_t* y, int R, int I, int O,
+#elif defined(__AVX2__) && defined(__FMA__)
+
+#define BLOCK 4
+typedef float xtype; /* x converted to float32 once a call */
+
+/* the two float32 weights of each of 8 columns in one 256-bit load of (column, pair) bf16s */
+#define WIDEN(v, even, odd) \
+    __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); \
+    __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
+
+/* R rows against one tile, a 16-column half at a time: two 8-column sums per row, even and odd inputs
+ * summed apart where few rows leave the adds waiting on each other */
+#define TILE(R, SPLIT) \
+static void tile##R(const xtype* x, const uint16_t* wt, int pairs, int I, float* sums) { \
+    for (int h = 0; h < 2; h++) { \
+        __m256 s0[R], s1[R], t0[R], t1[R]; \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) { \
+            s0[r] = _mm256_setzero_ps(); s1[r] = _mm256_setzero_ps(); \
+            t0[r] = _mm256_setzero_ps(); t1[r] = _mm256_setzero_ps(); \
+        } \
+        const uint16_t* wp = wt + 32 * h; \
+        for (int p = 0; p < pairs; p++, wp += 64) { \
+            __m256i v0 = _mm256_loadu_si256((const __m256i*)wp); \
+            __m256i v1 = _mm256_loadu_si256((const __m256i*)(wp + 16)); \
+            WIDEN(v0, e0, o0) \
+            WIDEN(v1, e1, o1) \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) { \
+                __m256 xe = _mm256_broadcast_ss(x + (size_t)r * I + 2 * p); \
+                __m256 xo = _mm256_broadcast_ss(x + (size_t)r * I + 2 * p + 1); \
+                s0[r] = _mm256_fmadd_ps(xe, e0, s0[r]); \
+                s1[r] = _mm256_fmadd_ps(xe, e1, s1[r]); \
+                if (SPLIT) { \
+                    t0[r] = _mm256_fmadd_ps(xo, o0, t0[r]); \
+                    t1[r] = _mm256_fmadd_ps(xo, o1, t1[r]); \
+                } else { \
+                    s0[r] = _mm256_fmadd_ps(xo, o0, s0[r]); \
+                    s1[r] = _mm256_fmadd_ps(xo, o1, s1[r]); \
+                } \
+            } \
+        } \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) { \
+            _mm256_storeu_ps(sums + 32 * r + 16 * h, _mm256_add_ps(s0[r], t0[r])); \
+            _mm256_storeu_ps(sums + 32 * r + 16 * h + 8, _mm256_add_ps(s1[r], t1[r])); \
+        } \
+    } \
+}
+TILE(1, 1) TILE(2, 1) TILE(3, 0) TILE(4, 0)
+
+static __m128i bf16x8(__m256 f) {
+    __m256i b = _mm256_castps_si256(f);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(nan));
+    r = _mm256_srli_epi32(r, 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* 16 sums plus bias, rounded to bf16 (to nearest even, NaN kept, as torch rounds) */
+static void store16(uint16_t* y, const float* sums, const float* bias) {
+    for (int i = 0; i < 16; i += 8) {
+        __m256 s = _mm256_loadu_ps(sums + i);
+        if (bias)
+            s = _mm256_add_ps(s, _mm256_loadu_ps(bias + i));
+        _mm_storeu_si128((__m128i*)(y + i), bf16x8(s));
+    }
+}
+
+#else
+#error "build with -mavx512bf16 (and -mavx512f -mavx512bw -mavx512vl), or with -mavx2 -mfma"
+#endif
+
+typedef void (*tile_fn)(const xtype*, const uint16_t*, int, int, float*);
+#if BLOCK == 8
+static const tile_fn TILES[BLOCK + 1] = {0, tile1, tile2, tile3, tile4, tile5, tile6, tile7, tile8};
+#else
+static const tile_fn TILES[BLOCK + 1] = {0, tile1, tile2, tile3, tile4};
+#endif
+
+static void tiles(const xtype* x, const uint16_t* wb, const float* bias, uint16_t* y, int R, int I, int O,
                   int t0, int t1) {
-    __m512 a0[MAX_ROWS], a1[MAX_ROWS];
+    float sums[BLOCK * 32];
     int pairs = I / 2;
     for (int t = t0; t < t1; t++) {
         const uint16_t* wt = wb + (size_t)t * pairs * 64;
         int o = t * 32;
-        __m512 c0 = bias ? _mm512_loadu_ps(bias + o) : _mm512_setzero_ps();
-        __m512 c1 = bias ? _mm512_loadu_ps(bias + o + 16) : _mm512_setzero_ps();
-        for (int r0 = 0; r0 < R; r0 += MAX_ROWS) {
-            int n = R - r0 < MAX_ROWS ? R - r0 : MAX_ROWS;
-            TILES[n](x + (size_t)r0 * I, wt, pairs, I, a0, a1);
+        for (int r0 = 0; r0 < R; r0 += BLOCK) {
+            int n = R - r0 < BLOCK ? R - r0 : BLOCK;
+            TILES[n](x + (size_t)r0 * I, wt, pairs, I, sums);
             for (int r = 0; r < n; r++) {
                 uint16_t* yr = y + (size_t)(r0 + r) * O + o;
-                store(yr, a0[r], c0);
-                store(yr + 16, a1[r], c1);
+                store16(yr, sums + 32 * r, bias ? bias + o : 0);
+                store16(yr + 16, sums + 32 * r + 16, bias ? bias + o + 16 : 0);
             }
         }
     }
@@ -88,19 +176,34 @@ static void tiles(const uint16_t* x, const uint16_t* wb, const float* bias, uint
 
 /* y (R x O) = x (R x I) @ w (O x I)^T (+ bias, float32), bf16 in and out; wb: w tiled as above.
  * The tiles are shared among `threads` OpenMP threads (torch's own pool where the runtime is the same). */
-void bf16_rows(const uint16_t* x, const uint16_t* wb, const float* bias, uint16_t* y, int R, int I, int O,
-               int threads) {
+int bf16_rows(const uint16_t* x, const uint16_t* wb, const float* bias, uint16_t* y, int R, int I, int O,
+              int threads) {
     int blocks = O / 32;
+#if defined(__AVX512BF16__)
+    const xtype* xs = x;
+#else
+    float* xs = malloc(sizeof(float) * (size_t)R * I);
+    if (!xs)
+        return 1;
+    for (size_t i = 0; i < (size_t)R * I; i++) {
+        uint32_t bits = (uint32_t)x[i] << 16;
+        memcpy(xs + i, &bits, 4);
+    }
+#endif
     if (threads <= 1 || blocks < 2) {
-        tiles(x, wb, bias, y, R, I, O, 0, blocks);
-        return;
+        tiles(xs, wb, bias, y, R, I, O, 0, blocks);
+    } else {
+        #pragma omp parallel num_threads(threads)
+        {
+            int t = omp_get_thread_num(), n = omp_get_num_threads();
+            int per = (blocks + n - 1) / n;
+            int b0 = t * per, b1 = b0 + per < blocks ? b0 + per : blocks;
+            if (b0 < b1)
+                tiles(xs, wb, bias, y, R, I, O, b0, b1);
+        }
     }
-    #pragma omp parallel num_threads(threads)
-    {
-        int t = omp_get_thread_num(), n = omp_get_num_threads();
-        int per = (blocks + n - 1) / n;
-        int b0 = t * per, b1 = b0 + per < blocks ? b0 + per : blocks;
-        if (b0 < b1)
-            tiles(x, wb, bias, y, R, I, O, b0, b1);
-    }
+#if !defined(__AVX512BF16__)
+    free(xs);
+#endif
+    return 0;
 }
