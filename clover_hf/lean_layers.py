@@ -16,7 +16,9 @@ the text is long: 2-6 tokens over 1,200-1,800 keys took 1-1.5 ms less a forward 
 150-300 keys, alternating packed and not within a call, 2-8 tokens took as long either way (within 0.2 ms)
 (AVX-512-bf16 EPYC, SmolLM2's 9 query heads on 3; from 12 tokens up packing measured no faster). So up to PACK_QUERIES tokens attend packed over
 PACK_KEYS keys or more. Packed, attention rounds the same but for rare last bits (4 inputs in 45 differed
-in bf16), and bf16 decoding can drift from plain `generate`'s within 64 tokens.
+in bf16), and bf16 decoding can drift from plain `generate`'s within 64 tokens. With `pack` in bf16, the
+layer's RMSNorms also run as one call of `bf16_kernel` where it is built (13.5 against 2.3 us a call, 61 to 121
+calls a forward), which rounds as the module does but for rare last bits (2 outputs in 806,400).
 
 Layers of other classes, with hooks or a replaced `forward` (accelerate's offloading), or in training keep
 their own forward; so does a class whose first lean forward in a process does not match its own on a
@@ -36,6 +38,7 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from . import bf16_kernel
 from .base_parts import decoder_layers
 from .cache import new_cache
 from .heads import apply_rope
@@ -48,6 +51,8 @@ LEAN_MODULES: dict[str, Callable[[nn.Module], dict] | None] = {
     "transformers.models.qwen2.modeling_qwen2": lambda attn: {"sliding_window": attn.sliding_window},
     "transformers.models.qwen3.modeling_qwen3": lambda attn: {"sliding_window": attn.sliding_window},
 }
+# transformers' RMSNorms of these layers, all weight * bf16(x * rsqrt(mean(x^2) + eps)): `bf16_kernel.rms_norm`'s
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 PACK_QUERIES, PACK_KEYS = 8, 1024  # a few query tokens attend packed (`pack`): this many at most, over this many keys
 TRIAL_TOKENS = 3  # tokens of the input a class's lean forward is checked on, once per process (`_checked`)
 
@@ -136,19 +141,33 @@ def _packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out.reshape(batch, heads, tokens, head_dim).transpose(1, 2).contiguous()
 
 
-def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | None = None
+def _norm(module: nn.Module | None, fused: bool) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The norm's forward: where `fused`, as one `bf16_kernel` call if it is a bf16 RMSNorm of RMS_NORMS."""
+    if module is None:
+        return None
+    weight = getattr(module, "weight", None)
+    if (fused and type(module).__name__ in RMS_NORMS and isinstance(weight, torch.Tensor) and weight.dim() == 1
+            and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and bf16_kernel.available()):
+        return bf16_kernel.rms_norm(weight, float(module.variance_epsilon))
+    return module.forward
+
+
+def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | None = None, fused: bool = False
                  ) -> Callable[..., torch.Tensor]:
     """The decoder layer's forward as one function over its parts (see the module's docstring); `pack`: in half
     precision one query token attends packed, and so do up to PACK_QUERIES over PACK_KEYS keys or more, their
-    mask repeated by `masks` (one for all of a model's layers; None: the layer's own)."""
+    mask repeated by `masks` (one for all of a model's layers; None: the layer's own); `fused`: bf16 RMSNorms
+    and the rotary embedding in one `bf16_kernel` call each (`_norm`, `bf16_kernel.rope`)."""
     masks = masks if masks is not None else _PackedMasks()
     attn, mlp = layer.self_attn, layer.mlp
-    norm_in, norm_post = layer.input_layernorm.forward, layer.post_attention_layernorm.forward
+    norm_in, norm_post = _norm(layer.input_layernorm, fused), _norm(layer.post_attention_layernorm, fused)
     # the projections, looked up once (each through nn.Module.__getattr__ took 0.6 us, 240 a SmolLM2 forward); their
     # `forward` is looked up at each call (`linears.linear_forms` sets it after this is made)
     q_proj, k_proj, v_proj, o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
     gate_proj, up_proj, down_proj, act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
-    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    q_norm, k_norm = _norm(getattr(attn, "q_norm", None), fused), _norm(getattr(attn, "k_norm", None), fused)
+    rope = bf16_kernel.rope if fused and layer.input_layernorm.weight.dtype == torch.bfloat16 and (
+        layer.input_layernorm.weight.device.type == "cpu" and bf16_kernel.available()) else None
     module = sys.modules[type(layer).__module__]
     eager = module.eager_attention_forward
     window = LEAN_MODULES[type(layer).__module__]
@@ -173,9 +192,10 @@ def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | Non
         query = q_proj.forward(hidden_states).view(hidden_shape)
         key = k_proj.forward(hidden_states).view(hidden_shape)
         if q_norm is not None:
-            query, key = q_norm.forward(query), k_norm.forward(key)
+            query, key = q_norm(query), k_norm(key)
         value = v_proj.forward(hidden_states).view(hidden_shape).transpose(1, 2)
-        query, key = _rotary_together(query, key, *position_embeddings)
+        turned = rope(query, key, *position_embeddings) if rope is not None else None
+        query, key = turned if turned is not None else _rotary_together(query, key, *position_embeddings)
         if cache is not None:
             key, value = cache.update(key, value, layer_idx, kwargs=kwargs)
         if gqa and pack and _packs(query.shape[2], key.shape[-2], attention_mask):
@@ -232,12 +252,12 @@ def lean_layers(model: nn.Module, pack: bool = False) -> Iterator[int]:
         param = layer.input_layernorm.weight
         key = (type(layer), layer.self_attn.config._attn_implementation, param.dtype, param.device.type)
         if key not in _checked:
-            _checked[key] = _matches(model, layer, forward)
+            _checked[key] = _matches(model, layer, forward)  # the module's own norms: bitwise
             if not _checked[key]:
                 warnings.warn(f"clover-hf's lean forward of {type(layer).__name__} does not match this transformers "
                               "version's; its layers run their own forward (slower)", stacklevel=3)
         if _checked[key]:
-            layer.forward = forward
+            layer.forward = lean_forward(layer, pack, masks, fused=True) if pack else forward
             chosen.append(layer)
     try:
         yield len(chosen)

@@ -206,3 +206,74 @@ def test_the_build_follows_the_cpu_and_what_torch_is_told_to_act_as(monkeypatch)
     monkeypatch.setattr(bf16_kernel, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
     monkeypatch.setenv("CLOVER_HF_KERNEL", "0")
     assert not bf16_kernel.cpu_supports()
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_fused_rms_norm_rounds_as_the_module_but_for_rare_last_bits(arch, isa, built, monkeypatch):
+    """transformers' RMSNorm of a decoder layer (and Qwen3's per-head q/k norms) on bf16 rows of many scales."""
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    layer = tiny_model(arch, dtype=torch.bfloat16).model.layers[0]
+    norms = [layer.input_layernorm, *([layer.self_attn.q_norm] if arch == "qwen3" else [])]
+    torch.manual_seed(0)
+    for norm in norms:
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn_like(norm.weight) * 0.5 + 1)
+        dim = norm.weight.shape[0]
+        fused = bf16_kernel.rms_norm(norm.weight, norm.variance_epsilon)
+        differ = total = 0
+        for rows in (1, 3, 8, 16):
+            x = (torch.randn(1, rows, 4, dim) * torch.logspace(-3, 3, rows)[None, :, None, None]).to(torch.bfloat16)
+            with torch.no_grad():
+                want = norm(x)
+            got = fused(x)
+            assert got.shape == want.shape and got.dtype == torch.bfloat16
+            step = want.float().abs() * 2.0 ** -7  # one bf16 step
+            assert ((got.float() - want.float()).abs() <= step).all()
+            differ, total = differ + int((got != want).sum()), total + want.numel()
+        assert differ <= total // 1000
+
+
+@needs_kernel
+def test_lean_layers_run_fused_norms_only_where_asked_in_bf16(monkeypatch):
+    """With `pack` (a call in Clover's forms) a bf16 model's decoder layers norm in one kernel call each; without
+    it, or in float32, they run the modules' own norms (bitwise plain decoding's)."""
+    from clover_hf.lean_layers import lean_layers
+
+    made = []
+    real = bf16_kernel.rms_norm
+    monkeypatch.setattr(bf16_kernel, "rms_norm", lambda w, eps: made.append(w.shape) or real(w, eps))
+    ids = torch.randint(0, 256, (1, 9))
+    for dtype, pack, fused in ((torch.bfloat16, True, 4), (torch.bfloat16, False, 0), (torch.float32, True, 0)):
+        made.clear()
+        model = tiny_model("llama", dtype=dtype)
+        with torch.no_grad():
+            want = model(ids).logits.float()
+            with lean_layers(model, pack=pack) as count:
+                got = model(ids).logits.float()
+        assert count == 2 and len(made) == fused  # two layers, two norms each
+        if fused:
+            assert torch.allclose(got, want, atol=0.05, rtol=0.05)
+        else:
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_the_fused_rotary_embedding_is_bitwise_torchs(isa, built, monkeypatch):
+    """Queries and keys as a projection's output views them (or as parts of a stacked q/k/v product), 1-16
+    tokens, one and two rows: bitwise what torch's bf16 operations give, in the (B, heads, T, D) layout."""
+    from clover_hf.heads import rope_tables
+    from clover_hf.lean_layers import _rotary_together
+
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    torch.manual_seed(0)
+    for batch, tokens in ((1, 1), (1, 7), (2, 16)):
+        stacked = torch.randn(batch, tokens, (9 + 3 + 3) * 64).to(torch.bfloat16) * 4
+        query = stacked[..., : 9 * 64].view(batch, tokens, 9, 64)  # a stacked product's parts: rows 960 apart
+        key = stacked[..., 9 * 64 : 12 * 64].view(batch, tokens, 3, 64)
+        positions = torch.arange(tokens)[None].expand(batch, -1) + 300 * torch.arange(batch)[:, None]
+        cos, sin = (t[:, 0] for t in rope_tables(positions, 64, 10000.0, torch.bfloat16))  # (B, T, D)
+        got = bf16_kernel.rope(query, key, cos, sin)
+        want = _rotary_together(query, key, cos, sin)
+        assert got is not None and all(g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want))
+    assert bf16_kernel.rope(query[:, :, ::2], key, cos, sin) is None  # heads not side by side: torch's then

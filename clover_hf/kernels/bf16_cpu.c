@@ -1,5 +1,6 @@
-/* y = x @ w.T (+ bias) for a few rows of bf16 x: each weight byte read once for a block of rows, sums in
- * float32. Built by clover_hf/bf16_kernel.py for one of two instruction sets:
+/* bf16 kernels for decoding on x86 CPUs, built by clover_hf/bf16_kernel.py: transformers' RMSNorm and rotary
+ * embedding in one call each, and y = x @ w.T (+ bias) for a few rows of bf16 x, each weight byte read once for
+ * a block of rows, sums in float32, for one of two instruction sets:
  *   AVX-512-BF16 (-mavx512bf16): vdpbf16ps multiplies pairs of bf16 inputs, eight rows a block;
  *   AVX2 with FMA (-mavx2 -mfma): weights widened to float32 in registers (a shift), x converted to float32
  *   once a call, four rows a block.
@@ -7,6 +8,7 @@
  * The weight is laid out once in 32-column tiles, (O/32, I/2, 32, 2): tile t, input pair p, column c holds
  * w[32t + c, 2p : 2p + 2], so a tile streams through memory in order. O is a multiple of 32, I even. */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -172,6 +174,78 @@ static void tiles(const xtype* x, const uint16_t* wb, const float* bias, uint16_
             }
         }
     }
+}
+
+static float bf16_to_float(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* float32 to bf16, to nearest even, NaN kept quiet: as torch converts */
+static uint16_t float_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u)
+        return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* y = w * bf16(x * rsqrt(mean(x^2) + eps)) for each of R rows of D: transformers' Llama RMSNorm in bf16
+ * (sums of squares in float32, sixteen partial sums, so in another order than torch's). */
+void bf16_rms_norm(const uint16_t* x, const uint16_t* w, uint16_t* y, int R, int D, float eps) {
+    for (int r = 0; r < R; r++) {
+        const uint16_t* xr = x + (size_t)r * D;
+        uint16_t* yr = y + (size_t)r * D;
+        float part[16] = {0};
+        int i = 0;
+        for (; i + 16 <= D; i += 16)
+            for (int j = 0; j < 16; j++) {
+                float v = bf16_to_float(xr[i + j]);
+                part[j] += v * v;
+            }
+        for (; i < D; i++) {
+            float v = bf16_to_float(xr[i]);
+            part[0] += v * v;
+        }
+        float sum = 0.0f;
+        for (int j = 0; j < 16; j++)
+            sum += part[j];
+        float scale = 1.0f / sqrtf(sum / (float)D + eps);
+        for (i = 0; i < D; i++) {
+            float normed = bf16_to_float(float_to_bf16(bf16_to_float(xr[i]) * scale));
+            yr[i] = float_to_bf16(bf16_to_float(w[i]) * normed);
+        }
+    }
+}
+
+/* x * cos + rotate_half(x) * sin of one head's D values, each product and the sum rounded to bf16 as torch's
+ * bf16 operations round them: bitwise Llama's rotary embedding in bf16 */
+static void rotate(const uint16_t* x, const uint16_t* c, const uint16_t* s, uint16_t* y, int D) {
+    int half = D / 2;
+    for (int i = 0; i < D; i++) {
+        float turned = i < half ? -bf16_to_float(x[i + half]) : bf16_to_float(x[i - half]);
+        float a = bf16_to_float(float_to_bf16(bf16_to_float(x[i]) * bf16_to_float(c[i])));
+        float b = bf16_to_float(float_to_bf16(turned * bf16_to_float(s[i])));
+        y[i] = float_to_bf16(a + b);
+    }
+}
+
+/* The rotary embedding of queries (B, T, Hq, D) and keys (B, T, Hk, D), whose token rows are q_row and k_row
+ * values apart (heads contiguous within a row), by cos and sin (B, T, D), into qo (B, Hq, T, D) and ko
+ * (B, Hk, T, D). */
+void bf16_rope(const uint16_t* q, long q_row, const uint16_t* k, long k_row, const uint16_t* cos,
+               const uint16_t* sin, uint16_t* qo, uint16_t* ko, int B, int T, int Hq, int Hk, int D) {
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            size_t bt = (size_t)b * T + t;
+            const uint16_t *c = cos + bt * D, *s = sin + bt * D;
+            for (int h = 0; h < Hq; h++)
+                rotate(q + bt * q_row + (size_t)h * D, c, s, qo + (((size_t)b * Hq + h) * T + t) * D, D);
+            for (int h = 0; h < Hk; h++)
+                rotate(k + bt * k_row + (size_t)h * D, c, s, ko + (((size_t)b * Hk + h) * T + t) * D, D);
+        }
 }
 
 /* y (R x O) = x (R x I) @ w (O x I)^T (+ bias, float32), bf16 in and out; wb: w tiled as above.
