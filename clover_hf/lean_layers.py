@@ -148,7 +148,7 @@ def _norm(module: nn.Module | None, fused: bool) -> Callable[[torch.Tensor], tor
     weight = getattr(module, "weight", None)
     if (fused and type(module).__name__ in RMS_NORMS and isinstance(weight, torch.Tensor) and weight.dim() == 1
             and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and bf16_kernel.available()):
-        return bf16_kernel.rms_norm(weight, float(module.variance_epsilon))
+        return bf16_kernel.rms_norm(weight, float(module.variance_epsilon), module.forward)
     return module.forward
 
 

@@ -12,10 +12,13 @@ from clover_hf.linears import TILED, WeightCopies, form_linear, linear_forms, ma
 
 from .tiny import tiny_model
 
-needs_kernel = pytest.mark.skipif(not bf16_kernel.cpu_supports(), reason="the CPU has neither AVX2 nor AVX-512-BF16")
+COMPILER = bf16_kernel._compiler()
+needs_kernel = pytest.mark.skipif(not bf16_kernel.cpu_supports() or COMPILER is None,
+                                  reason="the CPU has neither AVX2 nor AVX-512-BF16, or there is no C compiler")
 FLAGS = bf16_kernel._cpu_flags()
 # each build this CPU runs: AVX-512-BF16's pair products, AVX2's widened weights
-BUILDS = [pytest.param(isa, marks=pytest.mark.skipif(not needs <= FLAGS, reason=f"the CPU has no {isa}"))
+BUILDS = [pytest.param(isa, marks=pytest.mark.skipif(not needs <= FLAGS or COMPILER is None,
+                                                     reason=f"the CPU has no {isa}, or there is no C compiler"))
           for isa, needs in (("avx512_bf16", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
                              ("avx2", {"avx2", "fma"}))]
 
@@ -53,6 +56,8 @@ def test_the_kernel_computes_the_product_to_bf16_rounding(isa, rows, with_bias, 
         wide = torch.randn(rows, 2 * in_features, dtype=torch.bfloat16)
         assert torch.equal(bf16_kernel.linear(wide[:, ::2], bf16_kernel.tile(weight), bias),
                            bf16_kernel.linear(wide[:, ::2].contiguous(), bf16_kernel.tile(weight), bias))
+    with pytest.raises(TypeError, match="bf16 rows"):  # as F.linear refuses mixed dtypes, never a wrong answer
+        bf16_kernel.linear(x.float(), bf16_kernel.tile(weight), bias)
 
 
 @pytest.mark.parametrize("isa", BUILDS)
@@ -220,7 +225,7 @@ def test_the_fused_rms_norm_rounds_as_the_module_but_for_rare_last_bits(arch, is
         with torch.no_grad():
             norm.weight.copy_(torch.randn_like(norm.weight) * 0.5 + 1)
         dim = norm.weight.shape[0]
-        fused = bf16_kernel.rms_norm(norm.weight, norm.variance_epsilon)
+        fused = bf16_kernel.rms_norm(norm.weight, norm.variance_epsilon, norm.forward)
         differ = total = 0
         for rows in (1, 3, 8, 16):
             x = (torch.randn(1, rows, 4, dim) * torch.logspace(-3, 3, rows)[None, :, None, None]).to(torch.bfloat16)
@@ -232,6 +237,8 @@ def test_the_fused_rms_norm_rounds_as_the_module_but_for_rare_last_bits(arch, is
             assert ((got.float() - want.float()).abs() <= step).all()
             differ, total = differ + int((got != want).sum()), total + want.numel()
         assert differ <= total // 1000
+        x = torch.randn(2, dim)  # float32 rows: the module's own forward
+        assert torch.equal(fused(x), norm(x))
 
 
 @needs_kernel
@@ -242,7 +249,7 @@ def test_lean_layers_run_fused_norms_only_where_asked_in_bf16(monkeypatch):
 
     made = []
     real = bf16_kernel.rms_norm
-    monkeypatch.setattr(bf16_kernel, "rms_norm", lambda w, eps: made.append(w.shape) or real(w, eps))
+    monkeypatch.setattr(bf16_kernel, "rms_norm", lambda w, eps, own: made.append(w.shape) or real(w, eps, own))
     ids = torch.randint(0, 256, (1, 9))
     for dtype, pack, fused in ((torch.bfloat16, True, 4), (torch.bfloat16, False, 0), (torch.float32, True, 0)):
         made.clear()
