@@ -91,11 +91,13 @@ def main() -> None:
     print(f"identical to plain generate:  {identical}/{len(PROMPTS)}. " + (
         "Exact in float32 (guaranteed and tested)." if dtype == torch.float32 else
         f"In {dtype_name}, Clover multiplies the rows of the prompt's prefill and of each verify forward in the "
-        "form measured fastest here (on CPUs without native bf16: in float32, from float16 or float32 copies of "
-        "the weights), and on the CPU attends one token with its query heads packed (SDPA's grouped attention is "
-        "several times slower there), while plain generate multiplies in bf16 kernels and attends by SDPA's "
-        "grouped attention: the sums round differently, the prompt's cache already differs slightly, and where "
-        "two tokens are nearly tied the argmax can differ and the texts part ways. Neither text is the more "
+        "form measured fastest here (on x86 CPUs its own compiled kernel, summing in another order than torch's; "
+        "on CPUs without native bf16 also float32 from float16 or float32 copies of the weights), sums each "
+        "RMSNorm's squares in another order, and on the CPU attends one token with its query heads packed (SDPA's "
+        "grouped attention is several times slower there), while plain generate multiplies in torch's bf16 "
+        "kernels and attends by SDPA's grouped attention: the sums round differently, the prompt's cache already "
+        "differs slightly, and where two tokens are nearly tied the argmax can differ and the texts part ways. "
+        "Which widths a step verifies depends on timings, so two runs may differ too. Neither text is the more "
         "correct one. In float32 they are identical."))
 
 
