@@ -17,8 +17,9 @@ the text is long: 2-6 tokens over 1,200-1,800 keys took 1-1.5 ms less a forward 
 (AVX-512-bf16 EPYC, SmolLM2's 9 query heads on 3; from 12 tokens up packing measured no faster). So up to PACK_QUERIES tokens attend packed over
 PACK_KEYS keys or more. Packed, attention rounds the same but for rare last bits (4 inputs in 45 differed
 in bf16), and bf16 decoding can drift from plain `generate`'s within 64 tokens. With `pack` in bf16, the
-layer's RMSNorms also run as one call of `bf16_kernel` where it is built (13.5 against 2.3 us a call, 61 to 121
-calls a forward), which rounds as the module does but for rare last bits (2 outputs in 806,400).
+layer's RMSNorms and its rotary embedding also run as one call each of `bf16_kernel` where it is built: a norm
+2.3 against 13.5 us, rounding as the module does but for rare last bits (2 outputs in 806,400); the rotary
+embedding bitwise torch's.
 
 Layers of other classes, with hooks or a replaced `forward` (accelerate's offloading), or in training keep
 their own forward; so does a class whose first lean forward in a process does not match its own on a
