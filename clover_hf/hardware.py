@@ -61,6 +61,11 @@ def native_bf16_cpu() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def amx_cpu() -> bool:
+    """Whether this CPU multiplies bf16 on AMX tiles (Intel Xeon from Sapphire Rapids), as oneDNN does there."""
+    return "amx_bf16" in _cpu_flags()
+
+
 @lru_cache(maxsize=1)
 def bf16_reads_faster_cpu(ratio: float = 1.2) -> bool:
     """Whether one-token products (what plain decoding does) run `ratio` times faster with bf16 weights

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import bf16_kernel
+from .hardware import amx_cpu
 from .quantized import plain
 
 LINEAR, TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED, NATIVE = "linear", "transposed", "float32", "float32_transposed", "native"
@@ -624,8 +625,8 @@ def copy_forms_for(dtype: torch.dtype) -> list[str]:
     """The forms of COPIES this CPU computes for weights of `dtype`: oneDNN's blocked layout where
     oneDNN computes the dtype (float32; bf16 on CPUs with native bf16), else, for half precision,
     FBGEMM's float16 copies where torch has FBGEMM and a float32 copy (and its blocked layout where
-    torch has oneDNN). bf16 weights tiled for `bf16_kernel` come first where it is built: calls that learn
-    their forms (`form_trials`) try the first kind only."""
+    torch has oneDNN). bf16 weights tiled for `bf16_kernel` come first where it is built, but on CPUs with AMX:
+    calls that learn their forms (`form_trials`) try the first kind only."""
     half = dtype in (torch.float16, torch.bfloat16)
     fp16 = [FLOAT16_PACKED] if half and fbgemm_packs() else []
     tiled = [TILED] if dtype == torch.bfloat16 and bf16_kernel.available() else []
@@ -635,7 +636,10 @@ def copy_forms_for(dtype: torch.dtype) -> list[str]:
         # the blocked layout in the weights' own dtype where oneDNN has it: on the Intel Xeon with AMX,
         # FBGEMM's float16 copies (the same bytes, float32 products) took 1.4x its time at 2 rows and 11x
         # at 256, and packing and timing them was a third of the forms' timing
-        return tiled + ([PACKED] if onednn_packs() else fp16)
+        packed = [PACKED] if onednn_packs() else fp16
+        # with AMX, oneDNN's blocked layout multiplies 1-32 rows in about one row's time (Intel Xeon above): it stays
+        # the first kind there, the one calls that learn their forms try
+        return packed + tiled if amx_cpu() else tiled + packed
     return tiled + fp16 + [FLOAT32_COPY, *([FLOAT32_PACKED] if onednn_packs() else [])] if half else []
 
 

@@ -110,20 +110,25 @@ def test_whole_forwards_in_the_tiled_form_match_f_linear(arch, isa, built, monke
 
 
 def test_where_built_the_kernel_is_the_first_kind_of_copy_for_bf16_weights(monkeypatch):
-    """It comes before oneDNN's blocked layout (calls that learn their forms try the first kind only), one
-    row tries it, and float32 weights never get it."""
+    """It comes before oneDNN's blocked layout (calls that learn their forms try the first kind only) but on CPUs
+    with AMX, one row tries it, and float32 weights never get it."""
     import clover_hf.linears as linears
     from clover_hf.form_trials import FormTrials
 
     monkeypatch.setattr(linears, "onednn_serves", lambda d: True)
     monkeypatch.setattr(linears, "onednn_packs", lambda: True)
     monkeypatch.setattr(bf16_kernel, "available", lambda: True)
+    monkeypatch.setattr(linears, "amx_cpu", lambda: False)
     assert linears.copy_forms_for(torch.bfloat16) == [TILED, "packed"]
     assert linears.copy_forms_for(torch.float32) == ["packed"]
     assert TILED in linears.one_row_forms([TILED, "native", "packed"], half=True)
     model = tiny_model("llama", dtype=torch.bfloat16)
     trials = FormTrials([model], WeightCopies(limit=10**9))
     assert trials.copy_kind == TILED and TILED in trials.candidates[1] and TILED in trials.candidates[8]
+    monkeypatch.setattr(linears, "amx_cpu", lambda: True)  # oneDNN's AMX products stay first on an Intel Xeon
+    assert linears.copy_forms_for(torch.bfloat16) == ["packed", TILED]
+    assert FormTrials([model], WeightCopies(limit=10**9)).copy_kind == "packed"
+    monkeypatch.setattr(linears, "amx_cpu", lambda: False)
     monkeypatch.setattr(linears, "onednn_serves", lambda d: False)  # an AVX2-only CPU: torch converts bf16
     assert linears.copy_forms_for(torch.bfloat16)[0] == TILED
     monkeypatch.setattr(linears, "onednn_serves", lambda d: True)
