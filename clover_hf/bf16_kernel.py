@@ -220,7 +220,8 @@ def rope(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.T
     and sin (B, T, D), as (B, heads, T, D) each, bitwise as torch's bf16 operations compute it, in one call
     (27.7 us a layer in torch's, at one token: eight operations and a copy). None where the inputs' layout is
     not one it reads."""
-    if not (_rows_of_heads(query) and _rows_of_heads(key) and query.dtype == key.dtype == cos.dtype == torch.bfloat16):
+    if not (_rows_of_heads(query) and _rows_of_heads(key) and key.shape[:2] == query.shape[:2]
+            and key.shape[3] == query.shape[3] and query.dtype == key.dtype == cos.dtype == sin.dtype == torch.bfloat16):
         return None
     batch, tokens, heads, dim = query.shape
     cos, sin = cos.contiguous(), sin.contiguous()

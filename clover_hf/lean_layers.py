@@ -142,13 +142,19 @@ def _packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out.reshape(batch, heads, tokens, head_dim).transpose(1, 2).contiguous()
 
 
+def _kernel_serves(weight: torch.Tensor) -> bool:
+    """Whether `bf16_kernel` computes for a part whose parameters are like `weight`: bf16 on the CPU, the kernel built
+    (asked last: a float32 model never builds it)."""
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and bf16_kernel.available()
+
+
 def _norm(module: nn.Module | None, fused: bool) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The norm's forward: where `fused`, as one `bf16_kernel` call if it is a bf16 RMSNorm of RMS_NORMS."""
     if module is None:
         return None
     weight = getattr(module, "weight", None)
     if (fused and type(module).__name__ in RMS_NORMS and isinstance(weight, torch.Tensor) and weight.dim() == 1
-            and weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and bf16_kernel.available()):
+            and _kernel_serves(weight)):
         return bf16_kernel.rms_norm(weight, float(module.variance_epsilon), module.forward)
     return module.forward
 
@@ -167,8 +173,7 @@ def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | Non
     q_proj, k_proj, v_proj, o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
     gate_proj, up_proj, down_proj, act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
     q_norm, k_norm = _norm(getattr(attn, "q_norm", None), fused), _norm(getattr(attn, "k_norm", None), fused)
-    rope = bf16_kernel.rope if fused and layer.input_layernorm.weight.dtype == torch.bfloat16 and (
-        layer.input_layernorm.weight.device.type == "cpu" and bf16_kernel.available()) else None
+    rope = bf16_kernel.rope if fused and _kernel_serves(layer.input_layernorm.weight) else None
     module = sys.modules[type(layer).__module__]
     eager = module.eager_attention_forward
     window = LEAN_MODULES[type(layer).__module__]
@@ -249,16 +254,15 @@ def lean_layers(model: nn.Module, pack: bool = False) -> Iterator[int]:
     for layer in layers:
         if lean_reason(layer) is not None:
             continue
-        forward = lean_forward(layer, pack, masks)
         param = layer.input_layernorm.weight
         key = (type(layer), layer.self_attn.config._attn_implementation, param.dtype, param.device.type)
-        if key not in _checked:
-            _checked[key] = _matches(model, layer, forward)  # the module's own norms: bitwise
+        if key not in _checked:  # checked with the modules' own norms, which it must match bitwise
+            _checked[key] = _matches(model, layer, lean_forward(layer, pack, masks))
             if not _checked[key]:
                 warnings.warn(f"clover-hf's lean forward of {type(layer).__name__} does not match this transformers "
                               "version's; its layers run their own forward (slower)", stacklevel=3)
         if _checked[key]:
-            layer.forward = lean_forward(layer, pack, masks, fused=True) if pack else forward
+            layer.forward = lean_forward(layer, pack, masks, fused=pack)
             chosen.append(layer)
     try:
         yield len(chosen)

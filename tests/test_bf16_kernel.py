@@ -1,5 +1,5 @@
-"""The compiled AVX-512-BF16 product (`bf16_kernel`): its build, its exactness against a float64 product, and
-its use as the "tiled" linear form in whole forwards."""
+"""The compiled bf16 kernels (`bf16_kernel`), AVX-512-BF16 and AVX2 builds: the build itself, the product's
+exactness against float64 and its use as the "tiled" linear form, and the fused RMSNorm and rotary embedding."""
 
 from __future__ import annotations
 

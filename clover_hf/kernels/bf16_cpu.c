@@ -259,10 +259,8 @@ int bf16_rows(const uint16_t* x, const uint16_t* wb, const float* bias, uint16_t
     float* xs = malloc(sizeof(float) * (size_t)R * I);
     if (!xs)
         return 1;
-    for (size_t i = 0; i < (size_t)R * I; i++) {
-        uint32_t bits = (uint32_t)x[i] << 16;
-        memcpy(xs + i, &bits, 4);
-    }
+    for (size_t i = 0; i < (size_t)R * I; i++)
+        xs[i] = bf16_to_float(x[i]);
 #endif
     if (threads <= 1 || blocks < 2) {
         tiles(xs, wb, bias, y, R, I, O, 0, blocks);
