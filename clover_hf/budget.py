@@ -34,7 +34,7 @@ import torch
 from . import bf16_kernel
 from .hardware import available_memory, cpu_capability, cpu_name
 from .form_trials import FormTrials
-from .linears import ONE_ROW_GAIN, PACK_ROWS, WeightCopies, copy_form
+from .linears import COPIES, ONE_ROW_GAIN, PACK_ROWS, WeightCopies, copy_form
 from .quantized import quantization
 from .user_cache import default_cache_dir
 from .verify_forward import bucket
@@ -69,6 +69,9 @@ class CostModel:
     # milliseconds of a one-token forward in F.linear, as plain `generate` computes it, timed by the form trials:
     # how far ahead of plain a call is, which pays for learning the forms still pending
     plain_row_ms: float | None = None
+    # each row count's fastest form without a weight copy, as the form trials timed it: what its products take in
+    # a new process while the copies its form computes from are still to be made; None: not timed
+    fallbacks: dict[int, str] | None = None
     # the widths a compiled forward is padded to (`verify_forward.BUCKETS`): a width costs what its bucket
     # does, and only buckets are timed; None: every width is its own forward
     buckets: tuple[int, ...] | None = None
@@ -176,15 +179,19 @@ class CostModel:
             data["pending"] = sorted(self.pending)
         if self.plain_row_ms is not None:
             data["plain_row_ms"] = round(self.plain_row_ms, 3)
+        if self.fallbacks:
+            data["fallbacks"] = {str(n): f for n, f in sorted(self.fallbacks.items())}
         return data
 
     @classmethod
     def from_json(cls, data: dict) -> "CostModel":
         curves = {int(r): {int(w): float(ms) for w, ms in c.items()} for r, c in data.items() if r.isdigit()}
         forms, pending, plain_row = data.get("forms"), data.get("pending"), data.get("plain_row_ms")
+        fallbacks = data.get("fallbacks")
         return cls(curves, forms={int(n): str(f) for n, f in forms.items()} if isinstance(forms, dict) else None,
                    pending=[int(n) for n in pending] if isinstance(pending, list) else None,
-                   plain_row_ms=float(plain_row) if isinstance(plain_row, (int, float)) else None)
+                   plain_row_ms=float(plain_row) if isinstance(plain_row, (int, float)) else None,
+                   fallbacks={int(n): str(f) for n, f in fallbacks.items()} if isinstance(fallbacks, dict) else None)
 
 
 def _plain_row_s(costs: CostModel) -> float | None:
@@ -665,8 +672,14 @@ class DraftBudget:
         trials = self._trials.get(key)
         if trials is None or not trials.serves(models):
             self.copies.limit = self.copy_limit()
-            pending = None if costs.forms is None else set(costs.pending or ())
-            trials = self._trials[key] = FormTrials(models, self.copies, costs.forms, pending, _plain_row_s(costs))
+            known, fallbacks = costs.forms, costs.fallbacks or {}
+            if known is not None and known.get(1) in COPIES and 1 not in fallbacks:
+                # stored without the form one row takes until its copies are made (forms timed apart, or by an
+                # earlier release): learnt again as on a first call, else one-row products would take F.linear
+                # until the call got ahead of plain, which F.linear never gets it
+                known = None
+            pending = None if known is None else set(costs.pending or ())
+            trials = self._trials[key] = FormTrials(models, self.copies, known, pending, _plain_row_s(costs), fallbacks)
         trials.next_call()
         return trials
 
@@ -679,6 +692,7 @@ class DraftBudget:
             costs = self.stored(key)
             done = trials.finished()
             costs.forms, costs.pending = dict(trials.forms), None if done else sorted(trials.pending)
+            costs.fallbacks = dict(trials.fallback) or None
             if trials.plain_row_s is not None:
                 costs.plain_row_ms = 1000 * trials.plain_row_s
             if trials.ready():

@@ -59,7 +59,8 @@ class FormTrials:
     `faster_forms` returns them, and changes in place as row counts settle."""
 
     def __init__(self, models: list[nn.Module], copies: WeightCopies, known: dict[int, str] | None = None,
-                 pending: set[int] | None = None, plain_row_s: float | None = None, clock=time.perf_counter) -> None:
+                 pending: set[int] | None = None, plain_row_s: float | None = None, fallback: dict[int, str] | None = None,
+                 clock=time.perf_counter) -> None:
         self.copies, self.clock = copies, clock
         layers = list({id(m): m for model in models for m in _linears(model)}.values())
         self.shape_of = shape_keys(models)
@@ -90,7 +91,9 @@ class FormTrials:
         self.pending = set(ROW_COUNTS if pending is None else pending)
         self.learnt: set[int] = set()  # row counts settled by these trials in the current call
         self.totals: dict[int, dict[str, float]] = {}  # a learnt row count's ms per form over all the layers
-        self.fallback: dict[int, str] = {}  # a learnt row count's best form without a copy (layers lacking one)
+        # a settled row count's best form without a copy (for layers lacking one: all of them in a new process, until
+        # the copies are made), learnt or stored (`fallback`)
+        self.fallback: dict[int, str] = dict(fallback or {})
         self.ms: dict[tuple[int, tuple], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.seen: dict[int, set[tuple]] = defaultdict(set)
         self.uncopied: set[tuple[tuple, str]] = set()  # (shape, form) whose copy could not be made
@@ -228,9 +231,17 @@ class FormTrials:
         best = min((f for f in timed if timed[f]), key=lambda f: min(timed[f]), default=LINEAR)
         return self._compute(layer, x, best, LINEAR)
 
+    def _one_row_candidates(self) -> list[str]:
+        """One row's forms: without the copy form once every wider verify row count settled on forms without copies
+        (its copies, made for one row alone, would never be made: one row would never settle)."""
+        wider_settled = not any(n in self.pending for n in ROW_COUNTS if 1 < n <= PACK_ROWS)
+        if wider_settled and self.copy_kind not in self.forms.values():
+            return [f for f in self.candidates[1] if f != self.copy_kind]
+        return self.candidates[1]
+
     def _one_row_forms(self) -> list[str]:
         """The forms one row is timed in: the copy form only once every copy is made (a whole forward runs in it)."""
-        return [f for f in self.candidates[1] if f not in COPIES or self._all_copied()]
+        return [f for f in self._one_row_candidates() if f not in COPIES or self._all_copied()]
 
     def _one_row_product(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """A one-row product while one row is pending: a forward starting at the base's first layer takes the
@@ -272,9 +283,10 @@ class FormTrials:
         """Settle one row once every form (the copy form too, where one row tries it) is timed enough (`_done`):
         the fastest whole forward, taking at most MIN_GAIN of F.linear's (the copy form, unless wider row counts
         keep its copies already, COPY_GAIN of the best without a copy)."""
-        if any(not self._done(self.one_row, f) for f in self.candidates[1]):
+        candidates = self._one_row_candidates()
+        if any(not self._done(self.one_row, f) for f in candidates):
             return
-        ms = {f: 1000 * min(self.one_row[f]) for f in self.candidates[1] if self.one_row[f]}
+        ms = {f: 1000 * min(self.one_row[f]) for f in candidates if self.one_row[f]}
         without = min((f for f in ms if f not in COPIES), key=ms.get)
         best = min(ms, key=ms.get)
         kept = best in self.forms.values()  # the copies wider row counts compute from: made already

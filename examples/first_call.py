@@ -7,6 +7,9 @@ before and after, and the ratios are of tokens per second against theirs (in bf1
 elsewhere than plain's):
 
     python examples/first_call.py --batch-size 4 --batches 2
+
+`--stored`: the first call of a new process on a machine whose costs an earlier process learnt and stored
+(the forms are known, their weight copies are still to be made), as every process after a user's first runs.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=2)
     parser.add_argument("--first-prompt", type=int, default=10, help="MT-Bench first turns from this index")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--stored", action="store_true",
+                        help="costs stored by an earlier process (learnt here first, on other prompts)")
     args = parser.parse_args()
     dtype = default_dtype("cpu") if args.dtype == "auto" else getattr(torch, args.dtype)
     model, tokenizer = load_default(dtype)
@@ -39,9 +44,14 @@ def main() -> None:
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     model.base_model.generate(**batches[0], max_new_tokens=4, do_sample=False)  # plain's own warm-up
     print(f"machine: {describe_machine()}; {dtype}; batch {args.batch_size}")
+    learn_on = encode_batches(tokenizer, read_prompts("mtbench", 3), args.batch_size, model.device)
     for k, inputs in enumerate(batches):
         with tempfile.TemporaryDirectory() as empty:
-            model.budget = DraftBudget(cache_dir=empty)  # a machine with no stored costs
+            if args.stored:  # an earlier process learns and stores the costs
+                model.budget = DraftBudget(cache_dir=empty)
+                for earlier in learn_on:
+                    model.generate(**earlier, **kwargs)
+            model.budget = DraftBudget(cache_dir=empty)  # a machine with no stored costs, or a new process
             times, tokens = [], []
             for run in (model.base_model.generate, model.generate, model.generate, model.base_model.generate):
                 start = time.perf_counter()

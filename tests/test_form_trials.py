@@ -64,6 +64,8 @@ def test_a_first_call_learns_the_forms_from_its_own_products_and_stays_exact(arc
     trials = budget._trials.get(key)
     assert trials is None or stored.pending == sorted(trials.pending)  # pending row counts are kept for later calls
     assert stored.ms  # the verify costs the calls timed stay
+    # each settled row count's fastest form without a copy, for a new process's products until its copies are made
+    assert set(stored.fallbacks or {}) == set(form_trials.ROW_COUNTS) - set(stored.pending or ())
 
 
 def test_a_first_call_verifies_one_token_a_step_until_it_is_ahead_of_plain_enough_to_learn_wider_forms(
@@ -243,9 +245,11 @@ def copy_form_timed(done: list[tuple[int, str]], trials: FormTrials) -> int:
 def test_stored_forms_and_pending_row_counts_survive_the_cache_file(tmp_path):
     from clover_hf.budget import save_costs
 
-    save_costs("m", CostModel({1: {1: 5.0}}, forms={1: "native", 4: "packed"}, pending=[32, 64]), tmp_path)
+    save_costs("m", CostModel({1: {1: 5.0}}, forms={1: "native", 4: "packed"}, pending=[32, 64],
+                              fallbacks={1: "native", 4: "transposed"}), tmp_path)
     loaded = load_costs("m", tmp_path)
     assert loaded.forms == {1: "native", 4: "packed"} and loaded.pending == [32, 64] and loaded.ms == {1: {1: 5.0}}
+    assert loaded.fallbacks == {1: "native", 4: "transposed"}
 
 
 def test_forms_learnt_keep_the_verify_costs_and_end_once_verify_row_counts_settle(tmp_path):
@@ -354,3 +358,78 @@ def test_a_new_process_makes_the_stored_forms_copies_as_its_calls_get_ahead_of_p
     assert budget.form_trials(key, None, [base, clover.clover_heads]) is None
     assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=budget), ref)
     assert clover.generation_stats.learning_steps == 0  # the forms and their copies are all there
+
+
+def _stored_copy_forms(tmp_path, fallbacks: dict[int, str] | None):
+    """A tiny llama, its Clover model, a prompt, the base's greedy output, and stored forms that compute from
+    oneDNN's blocked copies at every verify row count, one row included, with these `fallbacks`."""
+    from clover_hf.budget import save_costs
+    from clover_hf.linears import PACKED, onednn_packs
+
+    if not onednn_packs():
+        pytest.skip("this torch build has no oneDNN: no blocked copies")
+    base = tiny_model("llama")
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
+    ids = prompt(3)
+    ref = base.generate(ids, max_new_tokens=24, do_sample=False)
+    assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=DraftBudget(cache_dir=tmp_path)), ref)
+    (key, stored), = load_costs_all(tmp_path).items()
+    stored.forms = {n: PACKED for n in (1, 2, 4, 8, 16)}
+    stored.pending, stored.plain_row_ms, stored.fallbacks = None, 5.0, fallbacks
+    save_costs(key, stored, tmp_path)
+    return base, clover, ids, ref, key
+
+
+def test_a_new_process_computes_one_row_in_its_stored_fallback_until_the_copies_are_made(monkeypatch, tmp_path):
+    """Where one row's stored form computes from weight copies, a new process computes its one-row products in the
+    form stored as the fastest without a copy until the copies are made, not in F.linear: F.linear runs no faster
+    than plain `generate`, so the call would never get ahead of plain to make them."""
+    base, clover, ids, ref, key = _stored_copy_forms(tmp_path, {1: TRANSPOSED})
+    budget = DraftBudget(cache_dir=tmp_path)  # a new process: no copies yet
+    monkeypatch.setattr(form_trials, "RESERVE_STEPS", 1e9)  # never ahead enough to make them
+    monkeypatch.setattr(form_trials, "LEARN_ANYWAY", 1e9)
+    done = []
+    real = form_trials.form_linear
+
+    def product(x, weight, bias, form, copy=None):
+        done.append((x.numel() // x.shape[-1], form))
+        return real(x, weight, bias, form, copy)
+
+    monkeypatch.setattr(form_trials, "form_linear", product)
+    assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=budget), ref)
+    assert budget.copies.nbytes == 0 and clover.generation_stats.verified_per_step == 1.0
+    one_row = {form for rows, form in done if rows == 1}
+    assert one_row == {TRANSPOSED}
+
+
+def test_forms_stored_without_one_rows_fallback_are_learnt_again_as_on_a_first_call(tmp_path):
+    """Forms stored without the form one row takes while its copies are missing (timed apart, or by an earlier
+    release) are learnt again as a first call learns them, one row first."""
+    base, clover, ids, ref, key = _stored_copy_forms(tmp_path, None)
+    budget = DraftBudget(cache_dir=tmp_path)
+    trials = budget.form_trials(key, None, [base, clover.clover_heads])
+    assert trials.pending == set(form_trials.ROW_COUNTS) and not trials.forms and trials.one_token_steps()
+    assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=budget), ref)
+
+
+def test_one_row_settles_without_the_copy_form_where_no_wider_row_count_took_it(monkeypatch):
+    """One row times the copy form only once every copy is made; where the wider verify row counts all settled on
+    forms without copies, none is made, and one row settles on the others."""
+    from clover_hf.linears import onednn_packs
+
+    if not onednn_packs():
+        pytest.skip("this torch build has no oneDNN: no blocked copies")
+    model = tiny_model("llama")
+    clock = FakeClock(lambda rows, form: 1.0)
+    fake_products(monkeypatch, clock)
+    trials = FormTrials([model], WeightCopies(limit=10**9), known={}, pending={1}, plain_row_s=0.05, clock=clock)
+    assert trials.copy_kind in trials.candidates[1]
+    trials.next_call()
+    with linear_forms([model], {}, trials.copies, trials):
+        for _ in range(3 * form_trials.SAMPLES * len(trials.candidates[1])):
+            forward_rows(model, 1)
+            clock.now += 0.001
+            if 1 not in trials.pending:
+                break
+    assert 1 not in trials.pending and trials.copies.nbytes == 0
+    assert trials.fallback[1] not in COPIES
