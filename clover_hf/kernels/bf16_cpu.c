@@ -6,13 +6,22 @@
  *   once a call, four rows a block.
  *
  * The weight is laid out once in 32-column tiles, (O/32, I/2, 32, 2): tile t, input pair p, column c holds
- * w[32t + c, 2p : 2p + 2], so a tile streams through memory in order. O is a multiple of 32, I even. */
+ * w[32t + c, 2p : 2p + 2], so a tile streams through memory in order. O is a multiple of 32, I even.
+ *
+ * Weights are read ahead with non-temporal prefetches: a forward streams every weight once, and read plainly
+ * they would push out of the last-level cache what is read again soon (the KV cache, the draft heads'
+ * weights, activations). On the AVX-512-bf16 EPYC, SmolLM2's bf16 decoding, alternating call by call,
+ * whole-tree steps took 13.7 against 15.5 ms (verify forward 11.1 against 12.5, drafting 1.8 against 2.0),
+ * one-token steps 8.5 against 9.5 ms; plain prefetches gained a third of that. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+
+#define AHEAD 1024 /* weight elements (2 KB) a non-temporal prefetch reads ahead of the products */
+#define READ_AHEAD(p) _mm_prefetch((const char*)(p) + 2 * AHEAD, _MM_HINT_NTA)
 
 #if defined(__AVX512BF16__)
 
@@ -26,6 +35,8 @@ static void tile##R(const xtype* x, const uint16_t* wt, int pairs, int I, float*
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) { s0[r] = _mm512_setzero_ps(); s1[r] = _mm512_setzero_ps(); } \
     const uint16_t* wp = wt; \
     for (int p = 0; p < pairs; p++, wp += 64) { \
+        READ_AHEAD(wp); \
+        READ_AHEAD(wp + 32); \
         __m512bh b0 = (__m512bh)_mm512_loadu_si512(wp); \
         __m512bh b1 = (__m512bh)_mm512_loadu_si512(wp + 32); \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) { \
@@ -50,6 +61,10 @@ static void tile1(const xtype* x, const uint16_t* wt, int pairs, int I, float* s
     const uint16_t* wp = wt;
     int p = 0;
     for (; p + 1 < pairs; p += 2, wp += 128) {
+        READ_AHEAD(wp);
+        READ_AHEAD(wp + 32);
+        READ_AHEAD(wp + 64);
+        READ_AHEAD(wp + 96);
         uint32_t q0, q1;
         memcpy(&q0, x + 2 * p, 4);
         memcpy(&q1, x + 2 * p + 2, 4);
@@ -100,6 +115,7 @@ static void tile##R(const xtype* x, const uint16_t* wt, int pairs, int I, float*
         } \
         const uint16_t* wp = wt + 32 * h; \
         for (int p = 0; p < pairs; p++, wp += 64) { \
+            READ_AHEAD(wp); \
             __m256i v0 = _mm256_loadu_si256((const __m256i*)wp); \
             __m256i v1 = _mm256_loadu_si256((const __m256i*)(wp + 16)); \
             WIDEN(v0, e0, o0) \
