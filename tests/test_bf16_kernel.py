@@ -16,11 +16,11 @@ COMPILER = bf16_kernel._compiler()
 needs_kernel = pytest.mark.skipif(not bf16_kernel.cpu_supports() or COMPILER is None,
                                   reason="the CPU has neither AVX2 nor AVX-512-BF16, or there is no C compiler")
 FLAGS = bf16_kernel._cpu_flags()
-# each build this CPU runs: AVX-512-BF16's pair products, AVX2's widened weights
-BUILDS = [pytest.param(isa, marks=pytest.mark.skipif(not needs <= FLAGS or COMPILER is None,
-                                                     reason=f"the CPU has no {isa}, or there is no C compiler"))
-          for isa, needs in (("avx512_bf16", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
-                             ("avx2", {"avx2", "fma"}))]
+NEEDS = {"avx512_bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}, "avx2": {"avx2", "fma"}}
+RUNS = [isa for isa, needs in NEEDS.items() if needs <= FLAGS and COMPILER is not None]  # the builds this CPU runs
+# each build: AVX-512-BF16's pair products, AVX2's widened weights
+BUILDS = [pytest.param(isa, marks=pytest.mark.skipif(isa not in RUNS, reason=f"the CPU has no {isa}, or no C compiler"))
+          for isa in NEEDS]
 
 
 def _close_to_float64(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -289,3 +289,84 @@ def test_the_fused_rotary_embedding_is_bitwise_torchs(isa, built, monkeypatch):
         want = _rotary_together(query, key, cos, sin)
         assert got is not None and all(g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want))
     assert bf16_kernel.rope(query[:, :, ::2], key, cos, sin) is None  # heads not side by side: torch's then
+
+
+def _attention_in_float64(query, key, value, mask, scale):
+    groups = query.shape[1] // key.shape[1]
+    return F.scaled_dot_product_attention(
+        query.double(), key.double().repeat_interleave(groups, 1), value.double().repeat_interleave(groups, 1),
+        attn_mask=None if mask is None else mask.double(), scale=scale).transpose(1, 2)
+
+
+@pytest.mark.parametrize("mask_dtype", [None, torch.bfloat16, torch.float32])
+def test_the_kernels_attention_is_as_close_to_float64_as_sdpas(mask_dtype, built, monkeypatch):
+    """Queries of a few tokens over shared key/value heads (GQA, and one head each), key counts that are and are not
+    multiples of 16, more query rows than one pass takes, two rows, head sizes 32-128, additive masks in bf16 and
+    float32 (blocked entries at bf16's lowest and at -inf) or none: within what SDPA's bf16 result is of float64."""
+    if "avx512_bf16" not in RUNS:
+        pytest.skip("the attention is built for AVX-512-BF16 only")
+    monkeypatch.setattr(bf16_kernel, "_library", built("avx512_bf16"))
+    torch.manual_seed(0)
+    for batch, heads, kv_heads, tokens, keys, dim in ((1, 9, 3, 1, 150, 64), (1, 9, 3, 8, 151, 64), (1, 9, 3, 20, 300, 64),
+                                                      (2, 4, 2, 5, 37, 32), (1, 8, 8, 3, 17, 128), (1, 2, 1, 1, 1, 64)):
+        query = torch.randn(batch, heads, tokens, dim).to(torch.bfloat16)
+        key, value = (torch.randn(batch, kv_heads, keys, dim).to(torch.bfloat16) for _ in range(2))
+        mask = None
+        if mask_dtype is not None:
+            seen = torch.rand(batch, 1, tokens, keys) > 0.3
+            seen[..., -1] = True  # every query sees a key (a tree node sees itself)
+            mask = torch.zeros(batch, 1, tokens, keys, dtype=mask_dtype).masked_fill(~seen, torch.finfo(mask_dtype).min)
+            mask[..., 0] = mask[..., 0].masked_fill(~seen[..., 0], float("-inf"))
+        scale = dim**-0.5
+        got = bf16_kernel.attention(query, key, value, mask, scale)
+        exact = _attention_in_float64(query, key, value, mask, scale)
+        sdpa = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                              enable_gqa=True).transpose(1, 2)
+        assert got is not None and got.shape == exact.shape and got.dtype == torch.bfloat16
+        assert (got.double() - exact).abs().max() <= 1.5 * (sdpa.double() - exact).abs().max() + 1e-3
+
+
+def test_the_kernels_attention_leaves_what_it_does_not_take_to_sdpa(built, monkeypatch):
+    """Float32 inputs, a head size it has no form for, a mask of another shape or a boolean one, and the AVX2 build
+    (which has no attention): None, so that SDPA attends."""
+    if not RUNS:
+        pytest.skip("no build runs on this CPU")
+    q, k = torch.randn(1, 4, 2, 64).to(torch.bfloat16), torch.randn(1, 2, 10, 64).to(torch.bfloat16)
+    for isa in RUNS:
+        monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+        assert (bf16_kernel.attention(q, k, k, None, 0.125) is None) == (isa == "avx2")
+        assert bf16_kernel.attention(q.float(), k.float(), k.float(), None, 0.125) is None
+        assert bf16_kernel.attention(q[..., :48], k[..., :48], k[..., :48], None, 0.125) is None
+        assert bf16_kernel.attention(q, k, k, torch.zeros(1, 1, 2, 9, dtype=torch.bfloat16), 0.125) is None
+        assert bf16_kernel.attention(q, k, k, torch.ones(1, 1, 2, 10, dtype=torch.bool), 0.125) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lean_layers_attend_in_the_kernel_only_where_asked_in_bf16(arch, monkeypatch):
+    """With `pack` in bf16, the decoder layers' attention (a masked prefill of several tokens, then one token over
+    the cache without a mask) runs in the kernel where it has attention; the logits stay close to the model's own."""
+    from clover_hf.lean_layers import lean_layers
+
+    if not bf16_kernel.available() or bf16_kernel.attention(*(torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16),) * 3,
+                                                                None, 1.0) is None:
+        pytest.skip("this build has no attention")
+    calls = []
+    real = bf16_kernel.attention
+    monkeypatch.setattr(bf16_kernel, "attention", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    ids = torch.randint(0, 256, (1, 9))
+    for dtype, pack in ((torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True)):
+        calls.clear()
+        model = tiny_model(arch, dtype=dtype)
+        with torch.no_grad():
+            want = model(ids[:, :8], use_cache=True)
+            want_next = model(ids[:, 8:], cache=want.past_key_values).logits.float()
+            with lean_layers(model, pack=pack):
+                got = model(ids[:, :8], use_cache=True)
+                got_next = model(ids[:, 8:], cache=got.past_key_values).logits.float()
+        if dtype == torch.bfloat16 and pack:
+            assert calls and set(calls) <= {8, 1} and 1 in calls  # every layer, the one-token forward included
+            assert torch.allclose(got.logits.float(), want.logits.float(), atol=0.05, rtol=0.05)
+            assert torch.allclose(got_next, want_next, atol=0.05, rtol=0.05)
+        else:
+            assert not calls and torch.equal(got.logits, want.logits) and torch.equal(got_next, want_next)

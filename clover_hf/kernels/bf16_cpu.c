@@ -1,5 +1,6 @@
 /* bf16 kernels for decoding on x86 CPUs, built by clover_hf/bf16_kernel.py: transformers' RMSNorm and rotary
- * embedding in one call each, and y = x @ w.T (+ bias) for a few rows of bf16 x, each weight byte read once for
+ * embedding in one call each, the attention of a few query tokens (AVX-512-BF16 only),
+ * and y = x @ w.T (+ bias) for a few rows of bf16 x, each weight byte read once for
  * a block of rows, sums in float32, for one of two instruction sets:
  *   AVX-512-BF16 (-mavx512bf16): vdpbf16ps multiplies pairs of bf16 inputs, eight rows a block;
  *   AVX2 with FMA (-mavx2 -mfma): weights widened to float32 in registers (a shift), x converted to float32
@@ -295,3 +296,165 @@ int bf16_rows(const uint16_t* x, const uint16_t* wb, const float* bias, uint16_t
 #endif
     return 0;
 }
+
+#if defined(__AVX512BF16__)
+#define ATT_ROWS 8 /* query rows (of one key/value head) whose scores one pass computes */
+
+/* e^x for x <= 0, float32: n = round(x log2 e), r = x - n ln 2, a degree-6 polynomial of r, times 2^n
+ * (within 2 ulp; below -87, about 1e-38 in place of a smaller number or 0) */
+static inline __m512 exp_neg(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The keys of one head (K x D) as blocks of 16 keys, each (D/2 pairs, 16 keys) of bf16 pairs: what vdpbf16ps
+ * multiplies against a broadcast pair of query values; keys past K are zero */
+static void transpose_keys(const uint16_t* k, uint32_t* kt, int K, int D) {
+    int pairs = D / 2, blocks = (K + 15) / 16;
+    __m512i index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                       _mm512_set1_epi32(pairs));
+    for (int blk = 0; blk < blocks; blk++) {
+        int n = K - 16 * blk < 16 ? K - 16 * blk : 16;
+        __mmask16 live = (__mmask16)((1u << n) - 1u);
+        const int* base = (const int*)(k + (size_t)blk * 16 * D);
+        uint32_t* out = kt + (size_t)blk * pairs * 16;
+        for (int p = 0; p < pairs; p++)
+            _mm512_storeu_si512(out + 16 * p, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
+                                                                          index, base + p, 4));
+    }
+}
+
+/* Attention of up to ATT_ROWS query rows (each D values, `q_at[r]`) over one key/value head: scores scale * q.k
+ * plus the rows' additive mask (`mask_at[r]`, float32 or bf16, or none), softmax, the weighted values (float32
+ * sums) into `o_at[r]`, rounded to bf16. `scores` holds n x 16 * blocks floats. */
+static void attend_rows(const uint16_t* const* q_at, const void* const* mask_at, int mask_bf16, uint16_t* const* o_at,
+                        int n, const uint32_t* kt, const uint16_t* v, int K, int D, float scale, float* scores) {
+    int pairs = D / 2, blocks = (K + 15) / 16, stride = 16 * blocks;
+    __m512 scaled = _mm512_set1_ps(scale);
+    for (int blk = 0; blk < blocks; blk++) {
+        __m512 acc[ATT_ROWS];
+        for (int r = 0; r < n; r++)
+            acc[r] = _mm512_setzero_ps();
+        const uint32_t* kb = kt + (size_t)blk * pairs * 16;
+        for (int p = 0; p < pairs; p++) {
+            __m512bh kp = (__m512bh)_mm512_loadu_si512(kb + 16 * p);
+            for (int r = 0; r < n; r++) {
+                uint32_t pair;
+                memcpy(&pair, q_at[r] + 2 * p, 4);
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)pair), kp);
+            }
+        }
+        int live = K - 16 * blk < 16 ? K - 16 * blk : 16;
+        __mmask16 m = (__mmask16)((1u << live) - 1u);
+        for (int r = 0; r < n; r++) {
+            __m512 s = _mm512_mul_ps(acc[r], scaled);
+            if (mask_at[r]) {
+                __m512 add;
+                if (mask_bf16) {
+                    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t*)mask_at[r] + 16 * blk);
+                    add = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                } else {
+                    add = _mm512_maskz_loadu_ps(m, (const float*)mask_at[r] + 16 * blk);
+                }
+                s = _mm512_add_ps(s, add);
+            }
+            _mm512_storeu_ps(scores + (size_t)r * stride + 16 * blk, _mm512_mask_blend_ps(m, _mm512_set1_ps(-INFINITY), s));
+        }
+    }
+    float inv[ATT_ROWS];
+    for (int r = 0; r < n; r++) {
+        float* s = scores + (size_t)r * stride;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int j = 0; j < stride; j += 16)
+            top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
+        __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top)), sum = _mm512_setzero_ps();
+        for (int j = 0; j < stride; j += 16) {
+            __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + j), most));
+            e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_loadu_ps(s + j), _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                                     e, _mm512_setzero_ps());
+            _mm512_storeu_ps(s + j, e);
+            sum = _mm512_add_ps(sum, e);
+        }
+        inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    for (int d = 0; d < D; d += 16) {
+        __m512 acc[ATT_ROWS];
+        for (int r = 0; r < n; r++)
+            acc[r] = _mm512_setzero_ps();
+        for (int j = 0; j < K; j++) {
+            __m256i h = _mm256_loadu_si256((const __m256i*)(v + (size_t)j * D + d));
+            __m512 vj = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            for (int r = 0; r < n; r++)
+                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(size_t)r * stride + j]), vj, acc[r]);
+        }
+        for (int r = 0; r < n; r++)
+            _mm256_storeu_si256((__m256i*)(o_at[r] + d),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r], _mm512_set1_ps(inv[r]))));
+    }
+}
+
+/* out (B, T, H, D) = softmax(scale * q k^T + mask) v for queries q (B, H, T, D) and keys and values k, v
+ * (B, G, K, D), each key/value head serving H / G query heads; mask (B, 1, T, K) additive, float32 (mask_bf16 0)
+ * or bf16 (1), or NULL (every key seen). D a multiple of 32, at most 256. Returns 1 where memory ran out. */
+int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, const void* mask, int mask_bf16,
+                   uint16_t* out, int B, int H, int G, int T, int K, int D, float scale, int threads) {
+    int group = H / G, pairs = D / 2, blocks = (K + 15) / 16, rows = group * T;
+    int chunks = (rows + ATT_ROWS - 1) / ATT_ROWS;
+    size_t per_head = (size_t)blocks * pairs * 16;
+    uint32_t* kt = malloc(sizeof(uint32_t) * per_head * B * G + 64);
+    if (!kt)
+        return 1;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+        #pragma omp for schedule(static)
+        for (int bg = 0; bg < B * G; bg++)
+            transpose_keys(k + (size_t)bg * K * D, kt + (size_t)bg * per_head, K, D);
+        float* scores = malloc(sizeof(float) * ATT_ROWS * 16 * (size_t)blocks);
+        if (!scores) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic)
+        for (int item = 0; item < B * G * chunks; item++) {
+            if (!scores)
+                continue;
+            int bg = item / chunks, r0 = (item % chunks) * ATT_ROWS, b = bg / G, g = bg % G;
+            int n = rows - r0 < ATT_ROWS ? rows - r0 : ATT_ROWS;
+            const uint16_t* q_at[ATT_ROWS];
+            const void* mask_at[ATT_ROWS];
+            uint16_t* o_at[ATT_ROWS];
+            for (int i = 0; i < n; i++) {
+                int h = g * group + (r0 + i) / T, t = (r0 + i) % T;
+                q_at[i] = q + (((size_t)b * H + h) * T + t) * D;
+                size_t m = ((size_t)b * T + t) * K;
+                mask_at[i] = !mask ? 0 : mask_bf16 ? (const void*)((const uint16_t*)mask + m) : (const void*)((const float*)mask + m);
+                o_at[i] = out + (((size_t)b * T + t) * H + h) * D;
+            }
+            attend_rows(q_at, mask_at, mask_bf16, o_at, n, kt + (size_t)bg * per_head, v + (size_t)bg * K * D, K, D,
+                        scale, scores);
+        }
+        free(scores);
+    }
+    free(kt);
+    return failed;
+}
+#else
+int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, const void* mask, int mask_bf16,
+                   uint16_t* out, int B, int H, int G, int T, int K, int D, float scale, int threads) {
+    (void)q; (void)k; (void)v; (void)mask; (void)mask_bf16; (void)out; (void)B; (void)H; (void)G; (void)T; (void)K;
+    (void)D; (void)scale; (void)threads;
+    return -1; /* the AVX2 build has none: SDPA attends */
+}
+#endif
