@@ -153,6 +153,12 @@ def available() -> bool:
     return _library is not None
 
 
+def serves(t: torch.Tensor) -> bool:
+    """Whether the kernel computes for bf16 tensors like `t` on the CPU (built: asked last, so that a float32 model
+    never builds it)."""
+    return t.dtype == torch.bfloat16 and t.device.type == "cpu" and available()
+
+
 def fits(weight: torch.Tensor) -> bool:
     """Whether the kernel computes products by `weight`: bf16 on the CPU, a multiple of TILE rows, even columns."""
     rows, cols = weight.shape
@@ -196,19 +202,25 @@ def rms_norm(weight: torch.Tensor, eps: float, module: Callable[[torch.Tensor], 
     runs six ops and two conversions, 13.5 us a row of 576 against 2.3 here (AVX-512-bf16 EPYC). Its sums of
     squares add in another order than torch's: 2 outputs in 806,400 differed by a last bit. Other inputs go to
     `module` (the norm's own forward)."""
-    run, weight = _library.bf16_rms_norm, weight.detach().contiguous()
-    dim, weight_at = weight.shape[-1], weight.data_ptr()
+    weight = weight.detach().contiguous()
+    dim = weight.shape[-1]
 
     def compute(x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != dim:
             return module(x)
-        rows = x.contiguous()
-        out = torch.empty_like(rows)
-        run(rows.data_ptr(), weight_at, out.data_ptr(), rows.numel() // dim, dim, eps)
-        return out
+        return norm(x, weight, eps)
 
-    compute.keep = weight
     return compute
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * bf16(x * rsqrt(mean(x^2) + eps)) over the last dimension of bf16 x on the CPU, by a contiguous bf16
+    `weight` of that size (as `rms_norm` computes it)."""
+    rows = x.contiguous()
+    out = torch.empty_like(rows)
+    dim = weight.shape[-1]
+    _library.bf16_rms_norm(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), rows.numel() // dim, dim, eps)
+    return out
 
 
 def _rows_of_heads(x: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import bf16_kernel
 from .base_parts import decoder_layers, rms_final_norm
 from .config import CloverConfig
 from .linears import LinearForms, linear
@@ -33,6 +34,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() and x.dtype == self.weight.dtype and bf16_kernel.serves(x):
+            return bf16_kernel.norm(x, self.weight, self.eps)  # one call for the six ops below (drafting in bf16)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -41,11 +44,36 @@ class RMSNorm(nn.Module):
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin (B, 1, T, head_dim) of the rotary embedding at positions (B, T)."""
+    """cos and sin (B, 1, T, head_dim) of the rotary embedding at positions (B, T). Without gradients on the CPU they
+    are read from a table of every position up to the largest seen (`_position_table`): drafting steps took ten
+    ops to compute them."""
+    if not torch.is_grad_enabled() and positions.device.type == "cpu" and positions.numel():
+        cos, sin = _position_table(int(positions.max()) + 1, head_dim, theta, dtype)
+        return cos[positions][:, None], sin[positions][:, None]
+    return _rope_angles(positions, head_dim, theta, dtype)
+
+
+def _rope_angles(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
     angles = positions.float()[:, None, :, None] * inv_freq  # (B, 1, T, hd/2)
     cos, sin = angles.cos(), angles.sin()
     return torch.cat([cos, cos], -1).to(dtype), torch.cat([sin, sin], -1).to(dtype)
+
+
+_POSITION_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+@torch.inference_mode(False)  # kept past the call that makes them
+def _position_table(length: int, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (P, head_dim) of positions 0..P-1, P at least `length` (a power of two, made again when longer
+    is needed): the same elementwise ops `_rope_angles` runs on given positions."""
+    key = (head_dim, theta, dtype)
+    table = _POSITION_TABLES.get(key)
+    if table is None or table[0].shape[0] < length:
+        every = torch.arange(1 << max(length - 1, 1).bit_length())[None]
+        table = _POSITION_TABLES[key] = tuple(t[0, 0] for t in _rope_angles(every, head_dim, theta, dtype))
+    return table
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -94,29 +122,51 @@ class AugmentLayer(nn.Module):
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         B, T, _ = x.shape
         y = self.input_layernorm(x)
-        q = self.q_proj(y).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(y).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q = self.q_proj(y).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(y).view(B, T, self.n_kv, self.head_dim)
         v = self.v_proj(y).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         cos, sin = rope_tables(positions, self.head_dim, self.rope_theta, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # drafting in bf16 on the CPU: the rotary embedding and the attention as one `bf16_kernel` call each
+        kernel = not torch.is_grad_enabled() and attn_mask is None and bf16_kernel.serves(x)
+        turned = bf16_kernel.rope(q, k, cos[:, 0], sin[:, 0]) if kernel else None
+        q, k = turned if turned is not None else (apply_rope(q.transpose(1, 2), cos, sin),
+                                                  apply_rope(k.transpose(1, 2), cos, sin))
         if past is not None:
             k, v = torch.cat([past[0], k], dim=-2), torch.cat([past[1], v], dim=-2)
-        if x.device.type == "cpu":  # the CPU kernels read shared KV heads directly, masked or not
+        out = self._kernel_attention(q, k, v) if kernel else None
+        if out is not None:
+            x = x + self.o_proj(out.reshape(B, T, -1))
+        else:
+            x = x + self.o_proj(self._attention(q, k, v, past, attn_mask).transpose(1, 2).reshape(B, T, -1))
+        y = self.post_attention_layernorm(x)
+        x = x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+        return x, (k, v)
+
+    def _kernel_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+        """Causal attention of the new positions (B, heads, T, hd) over the cache and themselves, by `bf16_kernel`
+        (B, T, heads, hd); None where it has none."""
+        T, length = q.shape[2], k.shape[2]
+        mask = None
+        if T > 1:
+            later = torch.ones(T, length, dtype=torch.bool, device=q.device).triu(length - T + 1)
+            mask = torch.zeros(q.shape[0], 1, T, length, dtype=q.dtype).masked_fill_(later, torch.finfo(q.dtype).min)
+        return bf16_kernel.attention(q, k, v, mask, self.head_dim**-0.5)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   past: tuple[torch.Tensor, torch.Tensor] | None, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """SDPA of the new positions (B, heads, T, hd), causal over the cache and themselves unless `attn_mask`."""
+        T = q.shape[2]
+        if q.device.type == "cpu":  # the CPU kernels read shared KV heads directly, masked or not
             kk, vv, gqa = k, v, {"enable_gqa": True}
         else:  # elsewhere a mask with shared KV heads can fall back to the math kernel
             rep = self.n_heads // self.n_kv
             kk, vv, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), {}
         if attn_mask is None and past is not None and past[0].shape[-2] > 0:
-            causal = torch.ones(T, k.shape[-2], dtype=torch.bool, device=x.device).tril(k.shape[-2] - T)
-            attn = F.scaled_dot_product_attention(q, kk, vv, attn_mask=causal, **gqa)
-        elif attn_mask is None:
-            attn = F.scaled_dot_product_attention(q, kk, vv, is_causal=T > 1, **gqa)
-        else:
-            attn = F.scaled_dot_product_attention(q, kk, vv, attn_mask=attn_mask, **gqa)
-        x = x + self.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
-        y = self.post_attention_layernorm(x)
-        x = x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
-        return x, (k, v)
+            causal = torch.ones(T, k.shape[-2], dtype=torch.bool, device=q.device).tril(k.shape[-2] - T)
+            return F.scaled_dot_product_attention(q, kk, vv, attn_mask=causal, **gqa)
+        if attn_mask is None:
+            return F.scaled_dot_product_attention(q, kk, vv, is_causal=T > 1, **gqa)
+        return F.scaled_dot_product_attention(q, kk, vv, attn_mask=attn_mask, **gqa)
 
 
 class AttentionDecoder(nn.Module):

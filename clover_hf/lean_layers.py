@@ -144,19 +144,13 @@ def _packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out.reshape(batch, heads, tokens, head_dim).transpose(1, 2).contiguous()
 
 
-def _kernel_serves(weight: torch.Tensor) -> bool:
-    """Whether `bf16_kernel` computes for a part whose parameters are like `weight`: bf16 on the CPU, the kernel built
-    (asked last: a float32 model never builds it)."""
-    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and bf16_kernel.available()
-
-
 def _norm(module: nn.Module | None, fused: bool) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The norm's forward: where `fused`, as one `bf16_kernel` call if it is a bf16 RMSNorm of RMS_NORMS."""
     if module is None:
         return None
     weight = getattr(module, "weight", None)
     if (fused and type(module).__name__ in RMS_NORMS and isinstance(weight, torch.Tensor) and weight.dim() == 1
-            and _kernel_serves(weight)):
+            and bf16_kernel.serves(weight)):
         return bf16_kernel.rms_norm(weight, float(module.variance_epsilon), module.forward)
     return module.forward
 
@@ -175,7 +169,7 @@ def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | Non
     q_proj, k_proj, v_proj, o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
     gate_proj, up_proj, down_proj, act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
     q_norm, k_norm = _norm(getattr(attn, "q_norm", None), fused), _norm(getattr(attn, "k_norm", None), fused)
-    kernel = fused and _kernel_serves(layer.input_layernorm.weight)
+    kernel = fused and bf16_kernel.serves(layer.input_layernorm.weight)
     rope = bf16_kernel.rope if kernel else None
     module = sys.modules[type(layer).__module__]
     eager = module.eager_attention_forward

@@ -341,32 +341,103 @@ def test_the_kernels_attention_leaves_what_it_does_not_take_to_sdpa(built, monke
         assert bf16_kernel.attention(q, k, k, torch.ones(1, 1, 2, 10, dtype=torch.bool), 0.125) is None
 
 
-@needs_kernel
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_lean_layers_attend_in_the_kernel_only_where_asked_in_bf16(arch, monkeypatch):
-    """With `pack` in bf16, the decoder layers' attention (a masked prefill of several tokens, then one token over
-    the cache without a mask) runs in the kernel where it has attention; the logits stay close to the model's own."""
-    from clover_hf.lean_layers import lean_layers
+def _kernel_attends() -> bool:
+    """Whether the build loaded here has attention (the AVX-512-BF16 one)."""
+    probe = torch.zeros(1, 1, 1, 32, dtype=torch.bfloat16)
+    return bf16_kernel.cpu_supports() and bf16_kernel.available() and bf16_kernel.attention(probe, probe, probe, None,
+                                                                                              1.0) is not None
 
-    if not bf16_kernel.available() or bf16_kernel.attention(*(torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16),) * 3,
-                                                                None, 1.0) is None:
-        pytest.skip("this build has no attention")
+
+def _record_attention(monkeypatch) -> list[int]:
+    """The query tokens of each attention `bf16_kernel` computed (not those it left to SDPA)."""
     calls = []
     real = bf16_kernel.attention
-    monkeypatch.setattr(bf16_kernel, "attention", lambda *a: calls.append(a[0].shape[2]) or real(*a))
-    ids = torch.randint(0, 256, (1, 9))
+
+    def attention(*args):
+        out = real(*args)
+        if out is not None:
+            calls.append(args[0].shape[2])
+        return out
+
+    monkeypatch.setattr(bf16_kernel, "attention", attention)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lean_layers_attend_in_the_kernel_only_where_asked_in_bf16(arch, monkeypatch):
+    """With `pack` in bf16, the decoder layers' attention runs in the kernel where it has attention: a forward of 3
+    tokens under an explicit mask (as verify forwards pass one), and one token over the cache without a mask (a
+    causal prefill without a mask stays SDPA's); the logits stay close to the model's own."""
+    from clover_hf.lean_layers import lean_layers
+
+    if not _kernel_attends():
+        pytest.skip("the kernel built here has no attention")
+    calls = _record_attention(monkeypatch)
+    ids = torch.randint(0, 256, (1, 10))
     for dtype, pack in ((torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True)):
         calls.clear()
-        model = tiny_model(arch, dtype=dtype)
-        with torch.no_grad():
-            want = model(ids[:, :8], use_cache=True)
-            want_next = model(ids[:, 8:], cache=want.past_key_values).logits.float()
-            with lean_layers(model, pack=pack):
-                got = model(ids[:, :8], use_cache=True)
-                got_next = model(ids[:, 8:], cache=got.past_key_values).logits.float()
+        model = tiny_model(arch, dtype=dtype, head_dim=32)
+        later = torch.ones(3, 9, dtype=torch.bool).triu(7)  # 3 new tokens over 6 cached: causal among themselves
+        mask = torch.zeros(1, 1, 3, 9, dtype=dtype).masked_fill(later, torch.finfo(dtype).min)
+
+        def run():
+            with torch.no_grad():
+                cache = model(ids[:, :6], use_cache=True).past_key_values
+                three = model(ids[:, 6:9], attention_mask=mask, cache=cache, position_ids=torch.arange(6, 9)[None])
+                return three.logits.float(), model(ids[:, 9:], cache=three.past_key_values).logits.float()
+
+        want = run()
+        with lean_layers(model, pack=pack):
+            got = run()
         if dtype == torch.bfloat16 and pack:
-            assert calls and set(calls) <= {8, 1} and 1 in calls  # every layer, the one-token forward included
-            assert torch.allclose(got.logits.float(), want.logits.float(), atol=0.05, rtol=0.05)
-            assert torch.allclose(got_next, want_next, atol=0.05, rtol=0.05)
+            assert sorted(calls) == [1, 1, 3, 3]  # both layers, the masked forward and the one-token one
+            assert all(torch.allclose(g, w, atol=0.05, rtol=0.05) for g, w in zip(got, want))
         else:
-            assert not calls and torch.equal(got.logits, want.logits) and torch.equal(got_next, want_next)
+            assert not calls and all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_the_heads_draft_in_bf16_through_the_kernel_as_close_as_bf16_rounds(monkeypatch):
+    """Without gradients in bf16 the heads' norms, rotary embedding and attention run in the kernel: the Augmenting
+    Block's features, a few positions at a time over its cache, stay within bf16 rounding of torch's operations over
+    the whole sequence at once (what training computes)."""
+    from clover_hf import CloverForCausalLM
+
+    if not _kernel_attends():
+        pytest.skip("the kernel built here has no attention")
+    calls = _record_attention(monkeypatch)
+    base = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
+    heads = CloverForCausalLM.from_base(base).clover_heads.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in heads.named_parameters():
+            if "norm" not in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    T, H = 23, base.config.hidden_size
+    hidden, embeds = (torch.randn(1, T, H, generator=g).to(torch.bfloat16) for _ in range(2))
+    positions = torch.arange(T)[None]
+    with torch.enable_grad():
+        want, _ = heads.features(hidden, embeds, positions)
+    assert not calls
+    parts, cache, start = [], None, 0
+    with torch.no_grad():
+        for size in (9, 1, 3, 1, 5, 4):
+            out, cache = heads.features(hidden[:, start : start + size], embeds[:, start : start + size],
+                                        positions[:, start : start + size], cache)
+            parts.append(out)
+            start += size
+    assert calls == [9, 1, 3, 1, 5, 4]
+    got = torch.cat(parts, dim=1).float()
+    assert torch.allclose(got, want.detach().float(), atol=0.05, rtol=0.05)
+
+
+def test_rope_tables_read_from_the_position_table_are_bitwise_the_computed_ones():
+    """Without gradients on the CPU the heads' cos and sin come from a table of positions, grown as longer texts
+    need: bitwise what computing them for the positions gives."""
+    from clover_hf.heads import _rope_angles, rope_tables
+
+    for positions in (torch.tensor([[0, 1, 2]]), torch.tensor([[5, 9], [700, 701]]), torch.arange(3000)[None]):
+        for dtype in (torch.bfloat16, torch.float32):
+            with torch.no_grad():
+                table = rope_tables(positions, 64, 10000.0, dtype)
+            computed = _rope_angles(positions, 64, 10000.0, dtype)
+            assert all(torch.equal(a, b) for a, b in zip(table, computed))

@@ -26,11 +26,12 @@ ARCHS: dict[str, dict] = {
 }
 
 
-def tiny_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def tiny_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, **config_kwargs) -> PreTrainedModel:
+    """A random model of `model_type` (ARCHS, with `config_kwargs` changed) in eval mode, SDPA attention."""
     from transformers import AutoConfig
 
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(model_type, **ARCHS[model_type])
+    config = AutoConfig.for_model(model_type, **{**ARCHS[model_type], **config_kwargs})
     config._attn_implementation = "sdpa"
     model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or 0
