@@ -173,19 +173,25 @@ def tile(weight: torch.Tensor) -> torch.Tensor:
 
 def product(tiled: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """x @ weight.T (+ bias) as a function of bf16 x, from `tile(weight)`, in torch's number of threads."""
-    run = _library.bf16_rows
+    run, empty, bf16 = _library.bf16_rows, torch.empty, torch.bfloat16
     out_features, in_features = tiled.shape[0] * TILE, tiled.shape[1] * 2
     bias = None if bias is None else bias.detach().float().contiguous()
     weight_at, bias_at, threads = tiled.data_ptr(), 0 if bias is None else bias.data_ptr(), torch.get_num_threads()
 
     def compute(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu":  # F.linear refuses a bf16 weight for other x too
+        # as few tensor calls as may be: each costs about a microsecond, and a forward runs over a hundred products
+        if x.dtype is not bf16 or not x.is_cpu:  # F.linear refuses a bf16 weight for other x too
             raise TypeError(f"bf16_kernel: a bf16 weight's product takes bf16 rows on the CPU, not {x.dtype} on {x.device}")
-        rows = x.reshape(-1, in_features).contiguous()
-        out = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
-        if run(rows.data_ptr(), weight_at, bias_at, out.data_ptr(), rows.shape[0], in_features, out_features, threads):
-            raise MemoryError(f"bf16_kernel: no memory for {rows.shape[0]} rows in float32")
-        return out.reshape(*x.shape[:-1], out_features)
+        if x.shape[-1] != in_features:  # as F.linear refuses it
+            raise RuntimeError(f"bf16_kernel: rows of {x.shape[-1]} values cannot multiply a weight of {in_features} "
+                               "inputs")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        rows = x.numel() // in_features
+        out = empty(x.shape[:-1] + (out_features,), dtype=bf16)
+        if run(x.data_ptr(), weight_at, bias_at, out.data_ptr(), rows, in_features, out_features, threads):
+            raise MemoryError(f"bf16_kernel: no memory for {rows} rows in float32")
+        return out
 
     compute.keep = (tiled, bias)  # the memory the pointers above point into
     return compute
@@ -262,21 +268,25 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     additive, (B, 1, T, K), bf16 or float32; None where every query sees every key. None where the inputs are not
     of that form, or the build has no attention (the AVX2 one)."""
     batch, heads, tokens, dim = query.shape
-    if not (key.dim() == 4 and key.shape == value.shape and key.shape[0] == batch and key.shape[3] == dim
-            and heads % key.shape[1] == 0 and dim in ATTENTION_DIMS
-            and query.dtype == key.dtype == value.dtype == torch.bfloat16 and query.device.type == "cpu"):
+    kv, bf16 = key.shape, torch.bfloat16
+    if not (len(kv) == 4 and kv == value.shape and kv[0] == batch and kv[3] == dim and heads % kv[1] == 0
+            and dim in ATTENTION_DIMS and query.dtype is bf16 and key.dtype is bf16 and value.dtype is bf16
+            and query.is_cpu and key.is_cpu and value.is_cpu):
         return None
-    length = key.shape[2]
+    length = kv[2]
     if mask is not None:
-        if mask.dtype not in (torch.bfloat16, torch.float32) or mask.shape != (batch, 1, tokens, length):
+        if mask.dtype not in (bf16, torch.float32) or mask.shape != (batch, 1, tokens, length) or not mask.is_cpu:
             return None
-        mask = mask.contiguous()
-    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
-    out = torch.empty(batch, tokens, heads, dim, dtype=torch.bfloat16)
+        mask = _contiguous(mask)
+    query, key, value = _contiguous(query), _contiguous(key), _contiguous(value)  # held while the kernel reads them
+    out = torch.empty(batch, tokens, heads, dim, dtype=bf16)
     failed = _library.bf16_attention(
-        query.data_ptr(), key.data_ptr(), value.data_ptr(), None if mask is None else mask.data_ptr(),
-        int(mask is not None and mask.dtype == torch.bfloat16), out.data_ptr(), batch, heads, key.shape[1], tokens,
-        length, dim, scale, torch.get_num_threads())
+        query.data_ptr(), key.data_ptr(), value.data_ptr(), None if mask is None else mask.data_ptr(), int(mask is not None and mask.dtype is bf16), out.data_ptr(), batch,
+        heads, kv[1], tokens, length, dim, scale, torch.get_num_threads())
     if failed > 0:
         raise MemoryError("bf16_kernel: no memory for attention's scores")
     return None if failed else out
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()

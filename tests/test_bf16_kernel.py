@@ -58,6 +58,8 @@ def test_the_kernel_computes_the_product_to_bf16_rounding(isa, rows, with_bias, 
                            bf16_kernel.linear(wide[:, ::2].contiguous(), bf16_kernel.tile(weight), bias))
     with pytest.raises(TypeError, match="bf16 rows"):  # as F.linear refuses mixed dtypes, never a wrong answer
         bf16_kernel.linear(x.float(), bf16_kernel.tile(weight), bias)
+    with pytest.raises(RuntimeError, match="cannot multiply"):  # and rows of another size
+        bf16_kernel.linear(x[..., :-2], bf16_kernel.tile(weight), bias)
 
 
 @pytest.mark.parametrize("isa", BUILDS)
