@@ -51,6 +51,7 @@ TILE = 32  # output columns per tile: a weight needs a multiple of it, and an ev
 _lock = threading.Lock()
 _build: threading.Thread | None = None
 _library: ctypes.CDLL | None = None
+_build_id: str | None = None  # the loaded build's digest (`library_path`)
 _failed = False
 
 
@@ -123,9 +124,10 @@ def load(isa: str, cache_dir: Path | None = None) -> ctypes.CDLL:
 
 
 def _load(isa: str) -> None:
-    global _library, _failed
+    global _library, _build_id, _failed
     try:
         _library = load(isa)
+        _build_id = library_path(isa).stem.rsplit("-", 1)[-1]
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or ""
         logger.info("clover_hf: the %s kernel was not built (%s%s); torch's kernels compute instead",
@@ -151,6 +153,12 @@ def available() -> bool:
         if _build is not None:
             _build.join()
     return _library is not None
+
+
+def build_id() -> str | None:
+    """The digest of the build loaded (its source, flags and compiler), None where none is: what it computes and
+    how fast depends on it, so stored verify costs are kept per build."""
+    return _build_id if available() else None
 
 
 def serves(t: torch.Tensor) -> bool:

@@ -208,15 +208,16 @@ def _plain_row_s(costs: CostModel) -> float | None:
 
 def cost_key(model: torch.nn.Module, device: torch.device) -> str:
     """What a verify step's cost depends on: the base (its name, architecture and quantization), dtype,
-    device, threads, CPU capability, torch version, and for bf16 on the CPU whether `bf16_kernel` is built."""
+    device, threads, CPU capability, torch version, and for bf16 on the CPU which `bf16_kernel` build computes (a
+    changed kernel learns its costs and forms again)."""
     config = model.config.to_json_string(use_diff=False)
     arch = hashlib.sha1(config.encode()).hexdigest()[:12]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     return "|".join([getattr(model.config, "_name_or_path", "") or "?", arch, str(model.dtype).removeprefix("torch."),
                      where, f"{torch.get_num_threads()} threads", cpu_name(), cpu_capability(),
                      f"torch {torch.__version__}"] + ([quantized] if (quantized := quantization(model)) else [])
-                    + (["bf16 kernel"] if model.dtype == torch.bfloat16 and device.type == "cpu"
-                       and bf16_kernel.available() else []))
+                    + ([f"bf16 kernel {bf16_kernel.build_id()}"] if model.dtype == torch.bfloat16
+                       and device.type == "cpu" and bf16_kernel.available() else []))
 
 
 def _costs_path(cache_dir: str | Path | None) -> Path:

@@ -187,7 +187,10 @@ def test_without_a_compiler_the_kernel_is_left_out_with_torchs_kernels_computing
 
 @needs_kernel
 def test_the_kernel_is_built_once_into_the_cache_and_loaded_from_there(tmp_path, monkeypatch):
+    from clover_hf.budget import cost_key
+
     monkeypatch.setattr(bf16_kernel, "_library", None)
+    monkeypatch.setattr(bf16_kernel, "_build_id", None)
     monkeypatch.setattr(bf16_kernel, "_failed", False)
     monkeypatch.setattr(bf16_kernel, "_build", None)
     monkeypatch.setenv("CLOVER_HF_CACHE", str(tmp_path))
@@ -195,6 +198,10 @@ def test_the_kernel_is_built_once_into_the_cache_and_loaded_from_there(tmp_path,
     assert bf16_kernel.available()
     made = bf16_kernel.library_path(bf16_kernel.instruction_set(), tmp_path)
     assert made.exists() and [p.name for p in (tmp_path / "kernels").iterdir()] == [made.name]
+    # verify costs are kept per build: a changed kernel learns them again
+    digest = made.stem.rsplit("-", 1)[-1]
+    assert bf16_kernel.build_id() == digest
+    assert cost_key(tiny_model("llama", dtype=torch.bfloat16), torch.device("cpu")).endswith(f"bf16 kernel {digest}")
     stamp = made.stat().st_mtime_ns
     monkeypatch.setattr(bf16_kernel, "_library", None)
     monkeypatch.setattr(bf16_kernel, "_build", None)
