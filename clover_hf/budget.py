@@ -148,8 +148,13 @@ class CostModel:
 
     def record(self, rows: int, width: int, ms: float) -> None:
         """Take one timed step as the cost of a width not timed for `rows` rows before (a first call
-        learns its costs from its own steps)."""
-        self.ms.setdefault(rows, {})[width] = ms
+        learns its costs from its own steps), at most OUTLIER times what the narrower widths timed predict
+        (proportionally past the widest): one stalled step (52 ms where its neighbours took 11, on the
+        AVX-512-bf16 EPYC) had priced widths 4 and 8 out of a whole benchmark."""
+        curve = self.ms.setdefault(rows, {})
+        if any(w < width for w in curve):
+            ms = min(ms, OUTLIER * self.predict(rows, width))
+        curve[width] = ms
         self._timed(rows, width, ms)
 
     def doubt(self, timed: Iterable[tuple[int, int]]) -> None:

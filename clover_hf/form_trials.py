@@ -182,6 +182,10 @@ class FormTrials:
         (`may_learn`). Learning them costs wide steps in forms still being timed and the weight copies (0.2-0.4 s
         for SmolLM2 on the AVX-512-bf16 EPYC), which a short answer never earns back; one-token steps in the form
         learnt for one row already beat plain decoding (1.6x there), and what they gain pays for the learning."""
+        if 1 in self.pending and self._all_copied():
+            # the copies are made, and one row is timed in their form too: from one-token forwards alone (a call that
+            # got ahead learnt the wider forms first, and its wide steps would leave one row pending for good)
+            return True
         learning = self.providing or any(n in self.pending for n in ROW_COUNTS if 1 < n <= PACK_ROWS)
         return learning and not self.may_learn() and not self.ready()
 

@@ -688,3 +688,20 @@ def test_the_heads_gate_judges_afresh_once_the_linear_forms_settle():
     gate.pause, gate.next_pause = 40, 80  # judged on settled steps
     start(settled=True).forms_ready()
     assert (gate.pause, gate.next_pause) == (40, 80)
+
+
+def test_a_first_timing_of_a_width_counts_at_most_twice_what_narrower_widths_predict():
+    """One stalled step timed as a width's first cost must not price it out: it counts at most OUTLIER times the
+    narrower widths' prediction (proportional past the widest); with nothing narrower timed it stands as timed."""
+    from clover_hf.budget import OUTLIER
+
+    costs = CostModel()
+    costs.record(1, 1, 10.0)
+    costs.record(1, 2, 11.0)
+    costs.record(1, 4, 60.0)  # a stall
+    assert costs.ms[1][4] == OUTLIER * 11.0 * 4 / 2
+    costs.record(1, 3, 12.0)  # within what the curve predicts: kept as timed
+    assert costs.ms[1][3] == 12.0
+    alone = CostModel()
+    alone.record(1, 4, 60.0)
+    assert alone.ms[1][4] == 60.0

@@ -433,3 +433,26 @@ def test_one_row_settles_without_the_copy_form_where_no_wider_row_count_took_it(
                 break
     assert 1 not in trials.pending and trials.copies.nbytes == 0
     assert trials.fallback[1] not in COPIES
+
+
+def test_one_row_still_pending_once_the_copies_are_made_is_learnt_from_one_token_steps(monkeypatch):
+    """A call that got ahead of plain learns the wider forms first; once their copies are made, one row (timed in
+    the copy form too) is learnt from one-token steps: wide steps would leave it pending for good."""
+    from clover_hf.linears import PACKED, onednn_packs
+
+    if not onednn_packs():
+        pytest.skip("this torch build has no oneDNN: no blocked copies")
+    model = tiny_model("llama")
+    monkeypatch.setattr(form_trials, "RESERVE_STEPS", -1e9)  # always ahead enough to learn and make copies
+    trials = FormTrials([model], WeightCopies(limit=10**9), known={n: PACKED for n in (2, 4, 8, 16)}, pending={1},
+                        plain_row_s=0.05)
+    trials.next_call()
+    assert not trials.one_token_steps()  # copies still to make: wide steps make them
+    with linear_forms([model], {}, trials.copies, trials):
+        forward_rows(model, 4)
+        assert trials.copied() and 1 in trials.pending and trials.one_token_steps()
+        for _ in range(50):
+            forward_rows(model, 1)
+            if 1 not in trials.pending:
+                break
+    assert 1 not in trials.pending and not trials.one_token_steps()
