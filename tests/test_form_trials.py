@@ -331,20 +331,7 @@ def test_a_new_process_makes_the_stored_forms_copies_as_its_calls_get_ahead_of_p
     """Forms stored by an earlier process that compute from weight copies: a new process makes none as its first
     call begins (SmolLM2's took 110 ms, half a short call), but as its calls get ahead of plain `generate`; its
     steps verify one token until they are made. Greedy output stays the base's throughout."""
-    from clover_hf.budget import save_costs
-    from clover_hf.linears import PACKED, onednn_packs
-
-    if not onednn_packs():
-        pytest.skip("this torch build has no oneDNN: no blocked copies")
-    base = tiny_model("llama")
-    clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
-    ids = prompt(3)
-    ref = base.generate(ids, max_new_tokens=24, do_sample=False)
-    assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=DraftBudget(cache_dir=tmp_path)), ref)
-    (key, stored), = load_costs_all(tmp_path).items()
-    stored.forms, stored.pending, stored.plain_row_ms = {2: PACKED, 4: PACKED, 8: PACKED, 16: PACKED}, None, 5.0
-    save_costs(key, stored, tmp_path)
-
+    base, clover, ids, ref, key = _stored_copy_forms(tmp_path, (2, 4, 8, 16))
     budget = DraftBudget(cache_dir=tmp_path)  # a new process: no copies yet
     monkeypatch.setattr(form_trials, "RESERVE_STEPS", 1e9)  # never ahead enough
     monkeypatch.setattr(form_trials, "LEARN_ANYWAY", 1e9)
@@ -360,9 +347,9 @@ def test_a_new_process_makes_the_stored_forms_copies_as_its_calls_get_ahead_of_p
     assert clover.generation_stats.learning_steps == 0  # the forms and their copies are all there
 
 
-def _stored_copy_forms(tmp_path, fallbacks: dict[int, str] | None):
-    """A tiny llama, its Clover model, a prompt, the base's greedy output, and stored forms that compute from
-    oneDNN's blocked copies at every verify row count, one row included, with these `fallbacks`."""
+def _stored_copy_forms(tmp_path, rows: tuple[int, ...], fallbacks: dict[int, str] | None = None):
+    """A tiny llama, its Clover model, a prompt, the base's greedy output, and the key of forms stored as an earlier
+    process would, computing from oneDNN's blocked copies at these row counts, with these `fallbacks`."""
     from clover_hf.budget import save_costs
     from clover_hf.linears import PACKED, onednn_packs
 
@@ -374,7 +361,7 @@ def _stored_copy_forms(tmp_path, fallbacks: dict[int, str] | None):
     ref = base.generate(ids, max_new_tokens=24, do_sample=False)
     assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=DraftBudget(cache_dir=tmp_path)), ref)
     (key, stored), = load_costs_all(tmp_path).items()
-    stored.forms = {n: PACKED for n in (1, 2, 4, 8, 16)}
+    stored.forms = dict.fromkeys(rows, PACKED)
     stored.pending, stored.plain_row_ms, stored.fallbacks = None, 5.0, fallbacks
     save_costs(key, stored, tmp_path)
     return base, clover, ids, ref, key
@@ -384,7 +371,7 @@ def test_a_new_process_computes_one_row_in_its_stored_fallback_until_the_copies_
     """Where one row's stored form computes from weight copies, a new process computes its one-row products in the
     form stored as the fastest without a copy until the copies are made, not in F.linear: F.linear runs no faster
     than plain `generate`, so the call would never get ahead of plain to make them."""
-    base, clover, ids, ref, key = _stored_copy_forms(tmp_path, {1: TRANSPOSED})
+    base, clover, ids, ref, key = _stored_copy_forms(tmp_path, (1, 2, 4, 8, 16), {1: TRANSPOSED})
     budget = DraftBudget(cache_dir=tmp_path)  # a new process: no copies yet
     monkeypatch.setattr(form_trials, "RESERVE_STEPS", 1e9)  # never ahead enough to make them
     monkeypatch.setattr(form_trials, "LEARN_ANYWAY", 1e9)
@@ -405,7 +392,7 @@ def test_a_new_process_computes_one_row_in_its_stored_fallback_until_the_copies_
 def test_forms_stored_without_one_rows_fallback_are_learnt_again_as_on_a_first_call(tmp_path):
     """Forms stored without the form one row takes while its copies are missing (timed apart, or by an earlier
     release) are learnt again as a first call learns them, one row first."""
-    base, clover, ids, ref, key = _stored_copy_forms(tmp_path, None)
+    base, clover, ids, ref, key = _stored_copy_forms(tmp_path, (1, 2, 4, 8, 16))
     budget = DraftBudget(cache_dir=tmp_path)
     trials = budget.form_trials(key, None, [base, clover.clover_heads])
     assert trials.pending == set(form_trials.ROW_COUNTS) and not trials.forms and trials.one_token_steps()
