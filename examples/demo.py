@@ -93,9 +93,10 @@ def main() -> None:
         f"In {dtype_name}, Clover multiplies the rows of the prompt's prefill and of each verify forward in the "
         "form measured fastest here (on x86 CPUs its own compiled kernel, summing in another order than torch's; "
         "on CPUs without native bf16 also float32 from float16 or float32 copies of the weights), sums each "
-        "RMSNorm's squares in another order, and on the CPU attends one token with its query heads packed (SDPA's "
-        "grouped attention is several times slower there), while plain generate multiplies in torch's bf16 "
-        "kernels and attends by SDPA's grouped attention: the sums round differently, the prompt's cache already "
+        "RMSNorm's squares in another order, and on the CPU attends in its own kernel where built for AVX-512-BF16 "
+        "(float32 sums in another order than SDPA's), else one token with its query heads packed (SDPA's grouped "
+        "attention is several times slower there), while plain generate multiplies in torch's bf16 kernels and "
+        "attends by SDPA's grouped attention: the sums round differently, the prompt's cache already "
         "differs slightly, and where two tokens are nearly tied the argmax can differ and the texts part ways. "
         "Which widths a step verifies depends on timings, so two runs may differ too. Neither text is the more "
         "correct one. In float32 they are identical."))
