@@ -237,30 +237,27 @@ def norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def _rows_of_heads(x: torch.Tensor) -> bool:
-    """Whether x (B, T, heads, D) has each token's heads side by side and its tokens at one stride (a view of a
-    projection's output, or of a stacked product's part)."""
-    batch, tokens, heads, dim = x.shape
-    return x.stride(3) == 1 and x.stride(2) == dim and (batch == 1 or x.stride(0) == tokens * x.stride(1))
-
-
 def rope(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
          ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Llama's rotary embedding (x * cos + rotate_half(x) * sin) of bf16 queries and keys (B, T, heads, D) by cos
     and sin (B, T, D), as (B, heads, T, D) each, bitwise as torch's bf16 operations compute it, in one call
     (27.7 us a layer in torch's, at one token: eight operations and a copy). None where the inputs' layout is
-    not one it reads."""
-    if not (_rows_of_heads(query) and _rows_of_heads(key) and key.shape[:2] == query.shape[:2]
-            and key.shape[3] == query.shape[3] and query.dtype == key.dtype == cos.dtype == sin.dtype == torch.bfloat16):
+    not one it reads: each token's heads side by side and its tokens at one stride (a view of a projection's
+    output, or of a stacked product's part)."""
+    bf16 = torch.bfloat16
+    if query.dtype is not bf16 or key.dtype is not bf16 or cos.dtype is not bf16 or sin.dtype is not bf16:
         return None
-    batch, tokens, heads, dim = query.shape
-    cos, sin = cos.contiguous(), sin.contiguous()
-    if cos.shape != (batch, tokens, dim) or sin.shape != cos.shape:
+    (batch, tokens, heads, dim), (_, _, key_heads, _) = query.shape, key.shape
+    q_at, k_at = query.stride(), key.stride()
+    if not (key.shape[:2] == query.shape[:2] and key.shape[3] == dim and q_at[3] == k_at[3] == 1
+            and q_at[2] == k_at[2] == dim and (batch == 1 or (q_at[0] == tokens * q_at[1] and k_at[0] == tokens * k_at[1]))
+            and cos.shape == sin.shape == (batch, tokens, dim)):
         return None
-    q_out = torch.empty(batch, heads, tokens, dim, dtype=torch.bfloat16)
-    k_out = torch.empty(batch, key.shape[2], tokens, dim, dtype=torch.bfloat16)
-    _library.bf16_rope(query.data_ptr(), query.stride(1), key.data_ptr(), key.stride(1), cos.data_ptr(),
-                       sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), batch, tokens, heads, key.shape[2], dim)
+    cos, sin = _contiguous(cos), _contiguous(sin)
+    q_out = torch.empty(batch, heads, tokens, dim, dtype=bf16)
+    k_out = torch.empty(batch, key_heads, tokens, dim, dtype=bf16)
+    _library.bf16_rope(query.data_ptr(), q_at[1], key.data_ptr(), k_at[1], cos.data_ptr(), sin.data_ptr(),
+                       q_out.data_ptr(), k_out.data_ptr(), batch, tokens, heads, key_heads, dim)
     return q_out, k_out
 
 
