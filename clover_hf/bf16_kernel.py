@@ -285,9 +285,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
         mask = _contiguous(mask)
     query, key, value = _contiguous(query), _contiguous(key), _contiguous(value)  # held while the kernel reads them
     out = torch.empty(batch, tokens, heads, dim, dtype=bf16)
-    failed = _library.bf16_attention(
-        query.data_ptr(), key.data_ptr(), value.data_ptr(), None if mask is None else mask.data_ptr(), int(mask is not None and mask.dtype is bf16), out.data_ptr(), batch,
-        heads, kv[1], tokens, length, dim, scale, torch.get_num_threads())
+    mask_at, mask_bf16 = (None, 0) if mask is None else (mask.data_ptr(), int(mask.dtype is bf16))
+    failed = _library.bf16_attention(query.data_ptr(), key.data_ptr(), value.data_ptr(), mask_at, mask_bf16,
+                                     out.data_ptr(), batch, heads, kv[1], tokens, length, dim, scale,
+                                     torch.get_num_threads())
     if failed > 0:
         raise MemoryError("bf16_kernel: no memory for attention's scores")
     return None if failed else out

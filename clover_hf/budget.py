@@ -681,8 +681,8 @@ class DraftBudget:
             known, fallbacks = costs.forms, costs.fallbacks or {}
             if known is not None and known.get(1) in COPIES and 1 not in fallbacks:
                 # stored without the form one row takes until its copies are made (forms timed apart, or by an
-                # earlier release): learnt again as on a first call, else one-row products would take F.linear
-                # until the call got ahead of plain, which F.linear never gets it
+                # earlier release): learnt again as on a first call; else one-row products would take F.linear, which
+                # never gets a call ahead of plain, and so the copies would never be made
                 known = None
             pending = None if known is None else set(costs.pending or ())
             trials = self._trials[key] = FormTrials(models, self.copies, known, pending, _plain_row_s(costs), fallbacks)

@@ -186,13 +186,16 @@ class FormTrials:
             # the copies are made, and one row is timed in their form too: from one-token forwards alone (a call that
             # got ahead learnt the wider forms first, and its wide steps would leave one row pending for good)
             return True
-        learning = self.providing or any(n in self.pending for n in ROW_COUNTS if 1 < n <= PACK_ROWS)
-        return learning and not self.may_learn() and not self.ready()
+        return (self.providing or self._wider_pending()) and not self.may_learn() and not self.ready()
+
+    def _wider_pending(self) -> bool:
+        """Whether a verify forward's row count above one (up to PACK_ROWS) is still to be learnt."""
+        return any(n in self.pending for n in ROW_COUNTS if 1 < n <= PACK_ROWS)
 
     def finished(self) -> bool:
         """Whether the forms are final: every row count up to PACK_ROWS (verify forwards) settled. Row counts
         above, where still pending, compute in F.linear."""
-        return not any(n in self.pending for n in ROW_COUNTS if n <= PACK_ROWS)
+        return 1 not in self.pending and not self._wider_pending()
 
     def ready(self) -> bool:
         """Whether the forms are final and every copy they compute from is made: steps then cost what they will."""
@@ -238,8 +241,7 @@ class FormTrials:
     def _one_row_candidates(self) -> list[str]:
         """One row's forms: without the copy form once every wider verify row count settled on forms without copies
         (its copies, made for one row alone, would never be made: one row would never settle)."""
-        wider_settled = not any(n in self.pending for n in ROW_COUNTS if 1 < n <= PACK_ROWS)
-        if wider_settled and self.copy_kind not in self.forms.values():
+        if not self._wider_pending() and self.copy_kind not in self.forms.values():
             return [f for f in self.candidates[1] if f != self.copy_kind]
         return self.candidates[1]
 

@@ -300,6 +300,11 @@ int bf16_rows(const uint16_t* x, const uint16_t* wb, const float* bias, uint16_t
 #if defined(__AVX512BF16__)
 #define ATT_ROWS 8 /* query rows (of one key/value head) whose scores one pass computes */
 
+/* 16 bf16 values (those of `live`; the others zero) widened to float32 */
+static inline __m512 bf16x16(const uint16_t* p, __mmask16 live) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, p)), 16));
+}
+
 /* e^x for x <= 0, float32: n = round(x log2 e), r = x - n ln 2, a degree-6 polynomial of r, times 2^n
  * (within 2 ulp; below -87, about 1e-38 in place of a smaller number or 0) */
 static inline __m512 exp_neg(__m512 x) {
@@ -360,14 +365,8 @@ static void attend_rows(const uint16_t* const* q_at, const void* const* mask_at,
         for (int r = 0; r < n; r++) {
             __m512 s = _mm512_mul_ps(acc[r], scaled);
             if (mask_at[r]) {
-                __m512 add;
-                if (mask_bf16) {
-                    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t*)mask_at[r] + 16 * blk);
-                    add = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-                } else {
-                    add = _mm512_maskz_loadu_ps(m, (const float*)mask_at[r] + 16 * blk);
-                }
-                s = _mm512_add_ps(s, add);
+                s = _mm512_add_ps(s, mask_bf16 ? bf16x16((const uint16_t*)mask_at[r] + 16 * blk, m)
+                                               : _mm512_maskz_loadu_ps(m, (const float*)mask_at[r] + 16 * blk));
             }
             _mm512_storeu_ps(scores + (size_t)r * stride + 16 * blk, _mm512_mask_blend_ps(m, _mm512_set1_ps(-INFINITY), s));
         }
@@ -393,8 +392,7 @@ static void attend_rows(const uint16_t* const* q_at, const void* const* mask_at,
         for (int r = 0; r < n; r++)
             acc[r] = _mm512_setzero_ps();
         for (int j = 0; j < K; j++) {
-            __m256i h = _mm256_loadu_si256((const __m256i*)(v + (size_t)j * D + d));
-            __m512 vj = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            __m512 vj = bf16x16(v + (size_t)j * D + d, (__mmask16)0xFFFF);
             for (int r = 0; r < n; r++)
                 acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(size_t)r * stride + j]), vj, acc[r]);
         }
@@ -412,7 +410,7 @@ int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, cons
     int group = H / G, pairs = D / 2, blocks = (K + 15) / 16, rows = group * T;
     int chunks = (rows + ATT_ROWS - 1) / ATT_ROWS;
     size_t per_head = (size_t)blocks * pairs * 16;
-    uint32_t* kt = malloc(sizeof(uint32_t) * per_head * B * G + 64);
+    uint32_t* kt = malloc(sizeof(uint32_t) * per_head * B * G);
     if (!kt)
         return 1;
     int failed = 0;
