@@ -42,6 +42,7 @@ def test_transposed_linear_computes_f_linear(rows):
     weight, bias, x = torch.randn(48, 16), torch.randn(48), torch.randn(1, rows, 16)  # past 8 rows: padded
     out = transposed_linear(x, weight, bias)
     assert out.shape == (1, rows, 48) and torch.allclose(out, F.linear(x, weight, bias), atol=1e-5)
+    assert out.is_contiguous()  # as F.linear's: a transposed output made every op after it copy
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -51,7 +52,7 @@ def test_every_form_computes_f_linear_in_the_input_dtype(form, dtype):
     weight, bias, x = (t.to(dtype) for t in (torch.randn(48, 16), torch.randn(48), torch.randn(2, 7, 16)))
     out = form_linear(x, weight, bias, form)
     exact = F.linear(x.float(), weight.float(), bias.float())
-    assert out.dtype == dtype and out.shape == (2, 7, 48)
+    assert out.dtype == dtype and out.shape == (2, 7, 48) and out.is_contiguous()
     assert torch.allclose(out.float(), exact, atol=1e-5 if dtype == torch.float32 else 0.1, rtol=1e-2)
 
 
