@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -253,10 +254,13 @@ class DraftLMHead:
     bias: torch.Tensor | None = None
     scales: torch.Tensor | None = None  # (V',) per-row scales of int8 rows, in the activations' dtype
     forms: LinearForms = field(default_factory=dict)  # how each row count is computed (`linears.faster_forms`)
+    kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # int8 rows' product of bf16 rows, by `bf16_kernel`
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.scales is None:
             return linear(hidden.to(self.weight.dtype), self.weight, self.bias, self.forms)
+        if self.kernel is not None and hidden.dtype == torch.bfloat16 and hidden.is_cpu:
+            return self.kernel(hidden)
         x = hidden.to(self.scales.dtype).reshape(-1, hidden.shape[-1]).contiguous()
         out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
         out = out.view(*hidden.shape[:-1], self.weight.shape[0])
@@ -272,11 +276,14 @@ class DraftLMHead:
 
     @classmethod
     def quantized(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> DraftLMHead:
-        """Symmetric int8 rows, one scale per row (max |w| / 127, rounded to the weight's dtype first)."""
+        """Symmetric int8 rows, one scale per row (max |w| / 127, rounded to the weight's dtype first). In bf16 on a
+        CPU the kernel's int8 product computes them where it is built (`bf16_kernel.int8_product`): SmolLM2's drafting
+        took 1.59 against 1.70 ms a step in torch's int8 kernel (AVX-512-bf16 EPYC, alternating)."""
         w = weight.float()
         scales = (w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127).to(weight.dtype)
         rows = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
-        return cls(rows, bias, scales)
+        kernel = bf16_kernel.int8_product(rows, scales, bias) if bf16_kernel.serves(weight) else None
+        return cls(rows, bias, scales, kernel=kernel)
 
 
 def _watch(t: torch.Tensor | None) -> tuple | None:

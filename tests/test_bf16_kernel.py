@@ -16,7 +16,7 @@ COMPILER = bf16_kernel._compiler()
 needs_kernel = pytest.mark.skipif(not bf16_kernel.cpu_supports() or COMPILER is None,
                                   reason="the CPU has neither AVX2 nor AVX-512-BF16, or there is no C compiler")
 FLAGS = bf16_kernel._cpu_flags()
-NEEDS = {"avx512_bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}, "avx2": {"avx2", "fma"}}
+NEEDS = {"avx512_bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}, "avx2": {"avx2", "fma"}}
 RUNS = [isa for isa, needs in NEEDS.items() if needs <= FLAGS and COMPILER is not None]  # the builds this CPU runs
 # each build: AVX-512-BF16's pair products, AVX2's widened weights
 BUILDS = [pytest.param(isa, marks=pytest.mark.skipif(isa not in RUNS, reason=f"the CPU has no {isa}, or no C compiler"))
@@ -212,10 +212,14 @@ def test_the_kernel_is_built_once_into_the_cache_and_loaded_from_there(tmp_path,
 
 def test_the_build_follows_the_cpu_and_what_torch_is_told_to_act_as(monkeypatch):
     monkeypatch.setattr(bf16_kernel, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512bw",
-                                                                       "avx512vl", "avx512_bf16"}))
+                                                                       "avx512vl", "avx512_bf16", "avx512_vnni"}))
     monkeypatch.setattr(bf16_kernel, "cpu_capability", lambda: "AVX512")
     assert bf16_kernel.instruction_set() == "avx512_bf16"
     monkeypatch.setattr(bf16_kernel, "cpu_capability", lambda: "AVX2")  # ATEN_CPU_CAPABILITY=avx2
+    assert bf16_kernel.instruction_set() == "avx2"
+    monkeypatch.setattr(bf16_kernel, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl",
+                                                                       "avx512_bf16"}))  # no VNNI
+    monkeypatch.setattr(bf16_kernel, "cpu_capability", lambda: "AVX512")
     assert bf16_kernel.instruction_set() == "avx2"
     monkeypatch.setattr(bf16_kernel, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))  # no bf16
     monkeypatch.setattr(bf16_kernel, "cpu_capability", lambda: "AVX512")
@@ -450,3 +454,52 @@ def test_rope_tables_read_from_the_position_table_are_bitwise_the_computed_ones(
                 table = rope_tables(positions, 64, 10000.0, dtype)
             computed = _rope_angles(positions, 64, 10000.0, dtype)
             assert all(torch.equal(a, b) for a, b in zip(table, computed))
+
+
+def _dequantized(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return rows.double() * scales.double()[:, None]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_int8_product_is_the_dequantized_product_to_bf16_rounding(rows, with_bias, built, monkeypatch):
+    """int8 rows with a scale each, times bf16 rows split in two int8 parts (about 16 bits): within a bf16 step of the
+    exact product plus the split's error (half of x's largest magnitude / 127 / 254 an input), at row counts below,
+    at and past a pass's four, with a bias and inputs of more than two dimensions."""
+    if "avx512_bf16" not in RUNS:
+        pytest.skip("the CPU has no AVX-512-BF16 with VNNI, or no C compiler")
+    monkeypatch.setattr(bf16_kernel, "_library", built("avx512_bf16"))
+    torch.manual_seed(rows)
+    from clover_hf.heads import DraftLMHead
+
+    weight = torch.randn(96, 64, dtype=torch.bfloat16)
+    bias = torch.randn(96, dtype=torch.bfloat16) if with_bias else None
+    quantized = DraftLMHead.quantized(weight, bias)
+    product = bf16_kernel.int8_product(quantized.weight, quantized.scales, bias)
+    x = torch.randn(2, rows, 64, dtype=torch.bfloat16) * torch.logspace(-2, 1, 64).to(torch.bfloat16)
+    out = product(x)
+    w = _dequantized(quantized.weight, quantized.scales)
+    exact = x.double() @ w.T + (0 if bias is None else bias.double())
+    split = (x.double().abs().amax(-1, keepdim=True) / 127 / 254 / 2) @ w.abs().sum(1, keepdim=True).T
+    assert out.dtype == torch.bfloat16 and out.shape == (2, rows, 96)
+    assert ((out.double() - exact).abs() <= exact.abs() * 2.0**-8 + 1.01 * split + 1e-6).all()
+    assert torch.equal(product(torch.zeros(rows, 64, dtype=torch.bfloat16)),  # no magnitude: the bias alone
+                       torch.zeros(rows, 96) if bias is None else bias.float().expand(rows, 96).bfloat16())
+    with pytest.raises(TypeError, match="bf16 rows"):
+        product(x.float())
+    with pytest.raises(TypeError, match="bf16 rows"):
+        product(x[..., :60])
+
+
+def test_the_int8_product_is_left_out_where_the_build_or_the_shape_has_none(built, monkeypatch):
+    """The AVX2 build has no int8 product, and it takes only a multiple of 32 rows of a multiple of 4 inputs: None,
+    so that torch's int8 kernel computes."""
+    if not RUNS:
+        pytest.skip("no build runs on this CPU")
+    rows, scales = torch.ones(64, 16, dtype=torch.int8), torch.ones(64)
+    for isa in RUNS:
+        monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+        assert (bf16_kernel.int8_product(rows, scales, None) is None) == (isa == "avx2")
+        assert bf16_kernel.int8_product(rows[:48], scales[:48], None) is None
+        assert bf16_kernel.int8_product(rows[:, :14], scales, None) is None
+        assert bf16_kernel.int8_product(rows.float(), scales, None) is None

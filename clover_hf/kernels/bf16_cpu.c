@@ -1,5 +1,5 @@
 /* bf16 kernels for decoding on x86 CPUs, built by clover_hf/bf16_kernel.py: transformers' RMSNorm and rotary
- * embedding in one call each, the attention of a few query tokens (AVX-512-BF16 only),
+ * embedding in one call each, the attention of a few query tokens and a product by int8 weights (AVX-512-BF16 only),
  * and y = x @ w.T (+ bias) for a few rows of bf16 x, each weight byte read once for
  * a block of rows, sums in float32, for one of two instruction sets:
  *   AVX-512-BF16 (-mavx512bf16): vdpbf16ps multiplies pairs of bf16 inputs, eight rows a block;
@@ -448,11 +448,120 @@ int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, cons
     free(kt);
     return failed;
 }
+
+/* int8 products for drafting, where the rows only rank tokens: y (R x O) = x (R x I) @ w.T with int8 weights, one
+ * float32 scale a row of w (`w_scales`). Each row of x, over its step s (its largest magnitude / 127), is split in
+ * two int8 parts, hi = round(x / s) and lo = round((x / s - hi) * 254), so it keeps about 16 bits: x = s (hi + lo / 254).
+ * vpdpbusd adds four products of unsigned by signed bytes, so both parts are shifted by 128 and 128 * (the column's
+ * weight sum, `w_sums`) taken off. The weight is laid out in 32-column tiles, (O/32, I/4, 32, 4): tile t, input quad
+ * g, column c holds w[32t + c, 4g : 4g + 4]. O a multiple of 32, I of 4. Outputs bf16 (plus bias, float32). */
+#define I8_BLOCK 4 /* rows of x a pass over a tile reads the weights once for */
+
+static void i8_tiles(const uint8_t* xq, const float* xs, const int8_t* wq, const float* w_scales,
+                     const int32_t* w_sums, const float* bias, uint16_t* y, int R, int I, int O, int t0, int t1) {
+    int quads = I / 4;
+    for (int t = t0; t < t1; t++) {
+        const int8_t* wt = wq + (size_t)t * quads * 128;
+        int o = 32 * t;
+        __m512i sum0 = _mm512_slli_epi32(_mm512_loadu_si512(w_sums + o), 7);
+        __m512i sum1 = _mm512_slli_epi32(_mm512_loadu_si512(w_sums + o + 16), 7);
+        __m512 sc0 = _mm512_loadu_ps(w_scales + o), sc1 = _mm512_loadu_ps(w_scales + o + 16);
+        __m512 b0 = bias ? _mm512_loadu_ps(bias + o) : _mm512_setzero_ps();
+        __m512 b1 = bias ? _mm512_loadu_ps(bias + o + 16) : _mm512_setzero_ps();
+        __m512 fine = _mm512_set1_ps(1.0f / 254.0f);
+        for (int r0 = 0; r0 < R; r0 += I8_BLOCK) {
+            int n = R - r0 < I8_BLOCK ? R - r0 : I8_BLOCK;
+            __m512i h0[I8_BLOCK], h1[I8_BLOCK], l0[I8_BLOCK], l1[I8_BLOCK];
+            for (int r = 0; r < I8_BLOCK; r++) {
+                h0[r] = _mm512_setzero_si512(); h1[r] = _mm512_setzero_si512();
+                l0[r] = _mm512_setzero_si512(); l1[r] = _mm512_setzero_si512();
+            }
+            const int8_t* wp = wt;
+            for (int g = 0; g < quads; g++, wp += 128) {
+                READ_AHEAD(wp);
+                READ_AHEAD(wp + 64);
+                __m512i w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + 64);
+                for (int r = 0; r < n; r++) {
+                    int32_t hi, lo;
+                    memcpy(&hi, xq + (size_t)(r0 + r) * 2 * I + 4 * g, 4);
+                    memcpy(&lo, xq + (size_t)(r0 + r) * 2 * I + I + 4 * g, 4);
+                    __m512i xh = _mm512_set1_epi32(hi), xl = _mm512_set1_epi32(lo);
+                    h0[r] = _mm512_dpbusd_epi32(h0[r], xh, w0);
+                    h1[r] = _mm512_dpbusd_epi32(h1[r], xh, w1);
+                    l0[r] = _mm512_dpbusd_epi32(l0[r], xl, w0);
+                    l1[r] = _mm512_dpbusd_epi32(l1[r], xl, w1);
+                }
+            }
+            for (int r = 0; r < n; r++) {
+                __m512 s = _mm512_set1_ps(xs[r0 + r]);
+                __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(l0[r], sum0)), fine,
+                                            _mm512_cvtepi32_ps(_mm512_sub_epi32(h0[r], sum0)));
+                __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(l1[r], sum1)), fine,
+                                            _mm512_cvtepi32_ps(_mm512_sub_epi32(h1[r], sum1)));
+                v0 = _mm512_fmadd_ps(v0, _mm512_mul_ps(sc0, s), b0);
+                v1 = _mm512_fmadd_ps(v1, _mm512_mul_ps(sc1, s), b1);
+                uint16_t* yr = y + (size_t)(r0 + r) * O + o;
+                _mm256_storeu_si256((__m256i*)yr, (__m256i)_mm512_cvtneps_pbh(v0));
+                _mm256_storeu_si256((__m256i*)(yr + 16), (__m256i)_mm512_cvtneps_pbh(v1));
+            }
+        }
+    }
+}
+
+int i8_available(void) { return 1; }
+
+/* y = x @ w.T (+ bias) for bf16 x (R x I) and int8 w tiled as above; returns 1 where memory ran out */
+int i8_rows(const uint16_t* x, const int8_t* wq, const float* w_scales, const int32_t* w_sums, const float* bias,
+            uint16_t* y, int R, int I, int O, int threads) {
+    uint8_t* xq = malloc(2 * (size_t)R * I + sizeof(float) * (size_t)R);
+    if (!xq)
+        return 1;
+    float* xs = (float*)(xq + 2 * (size_t)R * I);  /* R * I is a multiple of 4: the steps are aligned */
+    for (int r = 0; r < R; r++) {
+        const uint16_t* xr = x + (size_t)r * I;
+        uint8_t *hi = xq + 2 * (size_t)r * I, *lo = hi + I;
+        float most = 0.0f;
+        for (int i = 0; i < I; i++) {
+            float v = fabsf(bf16_to_float(xr[i]));
+            most = v > most ? v : most;
+        }
+        float step = most > 0.0f ? most / 127.0f : 1.0f, inv = 1.0f / step;
+        xs[r] = step;
+        for (int i = 0; i < I; i++) {
+            float v = bf16_to_float(xr[i]) * inv;
+            float whole = rintf(v);
+            hi[i] = (uint8_t)(128 + (int)whole);
+            lo[i] = (uint8_t)(128 + (int)rintf((v - whole) * 254.0f));
+        }
+    }
+    int blocks = O / 32;
+    if (threads <= 1 || blocks < 2) {
+        i8_tiles(xq, xs, wq, w_scales, w_sums, bias, y, R, I, O, 0, blocks);
+    } else {
+        #pragma omp parallel num_threads(threads)
+        {
+            int t = omp_get_thread_num(), n = omp_get_num_threads();
+            int per = (blocks + n - 1) / n;
+            int b0 = t * per, b1 = b0 + per < blocks ? b0 + per : blocks;
+            if (b0 < b1)
+                i8_tiles(xq, xs, wq, w_scales, w_sums, bias, y, R, I, O, b0, b1);
+        }
+    }
+    free(xq);
+    return 0;
+}
 #else
 int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, const void* mask, int mask_bf16,
                    uint16_t* out, int B, int H, int G, int T, int K, int D, float scale, int threads) {
     (void)q; (void)k; (void)v; (void)mask; (void)mask_bf16; (void)out; (void)B; (void)H; (void)G; (void)T; (void)K;
     (void)D; (void)scale; (void)threads;
     return -1; /* the AVX2 build has none: SDPA attends */
+}
+int i8_available(void) { return 0; }
+
+int i8_rows(const uint16_t* x, const int8_t* wq, const float* w_scales, const int32_t* w_sums, const float* bias,
+            uint16_t* y, int R, int I, int O, int threads) {
+    (void)x; (void)wq; (void)w_scales; (void)w_sums; (void)bias; (void)y; (void)R; (void)I; (void)O; (void)threads;
+    return -1; /* the AVX2 build has none: torch's int8 product computes */
 }
 #endif
