@@ -122,6 +122,8 @@ def load(isa: str, cache_dir: Path | None = None) -> ctypes.CDLL:
     lib.bf16_attention.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 6 + [
         ctypes.c_float, ctypes.c_int]
     lib.bf16_attention.restype = ctypes.c_int
+    lib.bf16_cosine_gate.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_float]
+    lib.bf16_cosine_gate.restype = None
     lib.i8_rows.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 4
     lib.i8_rows.restype = ctypes.c_int
     lib.i8_available.argtypes, lib.i8_available.restype = [], ctypes.c_int
@@ -299,6 +301,20 @@ def rope(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.T
     _library.bf16_rope(query.data_ptr(), q_at[1], key.data_ptr(), k_at[1], cos.data_ptr(), sin.data_ptr(),
                        q_out.data_ptr(), k_out.data_ptr(), batch, tokens, heads, key_heads, dim)
     return q_out, k_out
+
+
+def cosine_gate(h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, eps: float = 1e-8
+                ) -> torch.Tensor:
+    """h + v * cos(q, k), the cosine taken per head of `heads` over the last dimension's parts, of bf16 tensors of one
+    shape on the CPU: Clover's Attention Decoder's gate in one call, where torch ran eight ops (44 us against 4 a
+    drafting level, AVX-512-bf16 EPYC). Rounds as torch's bf16 ops but for the cosine's sums (float32, another
+    order)."""
+    h, q, k, v = (_contiguous(t) for t in (h, q, k, v))
+    width = h.shape[-1]
+    out = torch.empty_like(h)
+    _library.bf16_cosine_gate(h.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                              h.numel() // width, heads, width // heads, eps)
+    return out
 
 
 ATTENTION_DIMS = range(32, 257, 32)  # the head sizes `attention` takes

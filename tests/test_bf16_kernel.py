@@ -3,6 +3,8 @@ exactness against float64 and its use as the "tiled" linear form, and the fused 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -411,13 +413,17 @@ def test_lean_layers_attend_in_the_kernel_only_where_asked_in_bf16(arch, monkeyp
 
 def test_the_heads_draft_in_bf16_through_the_kernel_as_close_as_bf16_rounds(monkeypatch):
     """Without gradients in bf16 the heads' norms, rotary embedding and attention run in the kernel: the Augmenting
-    Block's features, a few positions at a time over its cache, stay within bf16 rounding of torch's operations over
-    the whole sequence at once (what training computes)."""
+    Block's features, a few positions at a time over its cache, stay as close to float32's as torch's bf16 operations
+    over the whole sequence at once (what training computes), give or take bf16 rounding. The Attention Decoder's gate
+    runs in the kernel too."""
     from clover_hf import CloverForCausalLM
 
     if not _kernel_attends():
         pytest.skip("the kernel built here has no attention")
     calls = _record_attention(monkeypatch)
+    gates = []
+    real_gate = bf16_kernel.cosine_gate
+    monkeypatch.setattr(bf16_kernel, "cosine_gate", lambda h, *args: gates.append(h.shape[1]) or real_gate(h, *args))
     base = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
     heads = CloverForCausalLM.from_base(base).clover_heads.to(torch.bfloat16)
     g = torch.Generator().manual_seed(0)
@@ -438,9 +444,31 @@ def test_the_heads_draft_in_bf16_through_the_kernel_as_close_as_bf16_rounds(monk
                                         positions[:, start : start + size], cache)
             parts.append(out)
             start += size
-    assert calls == [9, 1, 3, 1, 5, 4]
+    assert calls == gates == [9, 1, 3, 1, 5, 4]
     got = torch.cat(parts, dim=1).float()
-    assert torch.allclose(got, want.detach().float(), atol=0.05, rtol=0.05)
+    exact, _ = copy.deepcopy(heads).float().features(hidden.float(), embeds.float(), positions)
+    torch_error = (want.detach().float() - exact).abs().max()
+    assert (got - exact).abs().max() <= 1.5 * torch_error + 2**-7 * exact.abs().max()
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_the_cosine_gate_is_as_close_to_float64_as_torchs_bf16_ops(isa, built, monkeypatch):
+    """h + v * cos(q, k) per head: within torch's own bf16 error plus a bf16 step, at one and several rows, with a zero
+    query (its norm taken as eps, as F.cosine_similarity takes it: a zero gate)."""
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    torch.manual_seed(0)
+    for rows in (1, 3):
+        h, q, k, v = (torch.randn(2, rows, 96).to(torch.bfloat16) for _ in range(4))
+        q[0, 0, :32] = 0
+        split = (2, rows, 3, 32)
+        cosine = F.cosine_similarity(q.view(split), k.view(split), dim=-1).unsqueeze(-1)
+        by_torch = h + (v.view(split) * cosine).flatten(-2)
+        exact = h.double() + (v.double().view(split) * F.cosine_similarity(
+            q.double().view(split), k.double().view(split), dim=-1).unsqueeze(-1)).flatten(-2)
+        got = bf16_kernel.cosine_gate(h, q, k, v, 3)
+        assert got.dtype == torch.bfloat16 and got.shape == h.shape
+        assert torch.equal(got[0, 0, :32], h[0, 0, :32])
+        assert (got.double() - exact).abs().max() <= (by_torch.double() - exact).abs().max() + 2**-7 * exact.abs().max()
 
 
 def test_rope_tables_read_from_the_position_table_are_bitwise_the_computed_ones():

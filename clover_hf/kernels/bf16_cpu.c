@@ -249,6 +249,30 @@ static void rotate(const uint16_t* x, const uint16_t* c, const uint16_t* s, uint
     }
 }
 
+/* Clover's Attention Decoder's gate, out = h + v * cos(q, k) per head, for R rows of H heads of D values (each row
+ * contiguous): cos as F.cosine_similarity takes it (each norm at least eps), in float32, rounded to bf16; then
+ * v * cos and the sum rounded to bf16 each, as torch's bf16 operations round them. */
+void bf16_cosine_gate(const uint16_t* h, const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out,
+                      int R, int H, int D, float eps) {
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < H; j++) {
+            size_t at = ((size_t)r * H + j) * D;
+            float dot = 0.0f, qq = 0.0f, kk = 0.0f;
+            for (int d = 0; d < D; d++) {
+                float a = bf16_to_float(q[at + d]), b = bf16_to_float(k[at + d]);
+                dot += a * b;
+                qq += a * a;
+                kk += b * b;
+            }
+            float nq = sqrtf(qq), nk = sqrtf(kk);
+            float gate = bf16_to_float(float_to_bf16(dot / ((nq > eps ? nq : eps) * (nk > eps ? nk : eps))));
+            for (int d = 0; d < D; d++) {
+                float gated = bf16_to_float(float_to_bf16(bf16_to_float(v[at + d]) * gate));
+                out[at + d] = float_to_bf16(bf16_to_float(h[at + d]) + gated);
+            }
+        }
+}
+
 /* The rotary embedding of queries (B, T, Hq, D) and keys (B, T, Hk, D), whose token rows are q_row and k_row
  * values apart (heads contiguous within a row), by cos and sin (B, T, D), into qo (B, Hq, T, D) and ko
  * (B, Hk, T, D). */
