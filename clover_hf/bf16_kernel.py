@@ -119,7 +119,8 @@ def load(isa: str, cache_dir: Path | None = None) -> ctypes.CDLL:
     lib.bf16_rope.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4 + [
         ctypes.c_int] * 5
     lib.bf16_rope.restype = None
-    lib.bf16_attention.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int, ctypes.c_void_p] + [ctypes.c_int] * 6 + [
+    lib.bf16_attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_void_p, ctypes.c_int,
+                                                                                   ctypes.c_void_p] + [ctypes.c_int] * 6 + [
         ctypes.c_float, ctypes.c_int]
     lib.bf16_attention.restype = ctypes.c_int
     lib.bf16_cosine_gate.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_float]
@@ -327,7 +328,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     where SDPA's CPU kernel took 23 us a layer at one token and 67 at eight over ~150 keys (SmolLM2, AVX-512-bf16
     EPYC). Scores, softmax and the weighted sum of values are float32, rounded to bf16 once at the end. `mask`:
     additive, (B, 1, T, K), bf16 or float32; None where every query sees every key. None where the inputs are not
-    of that form, or the build has no attention (the AVX2 one)."""
+    of that form, or the build has no attention (the AVX2 one). Keys and values are read as they lie where each
+    head's slots follow one another (a growing cache's views of its stores), else from contiguous copies."""
     batch, heads, tokens, dim = query.shape
     kv, bf16 = key.shape, torch.bfloat16
     if not (len(kv) == 4 and kv == value.shape and kv[0] == batch and kv[3] == dim and heads % kv[1] == 0
@@ -339,12 +341,16 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
         if mask.dtype not in (bf16, torch.float32) or mask.shape != (batch, 1, tokens, length) or not mask.is_cpu:
             return None
         mask = _contiguous(mask)
-    query, key, value = _contiguous(query), _contiguous(key), _contiguous(value)  # held while the kernel reads them
+    query = _contiguous(query)  # held while the kernel reads it
+    # keys and values as they lie: each head's rows one after another, heads and batch rows at any stride (a growing
+    # cache's views of its store)
+    if key.stride()[2:] != (dim, 1) or value.stride() != key.stride():
+        key, value = key.contiguous(), value.contiguous()
     out = torch.empty(batch, tokens, heads, dim, dtype=bf16)
     mask_at, mask_bf16 = (None, 0) if mask is None else (mask.data_ptr(), int(mask.dtype is bf16))
-    failed = _library.bf16_attention(query.data_ptr(), key.data_ptr(), value.data_ptr(), mask_at, mask_bf16,
-                                     out.data_ptr(), batch, heads, kv[1], tokens, length, dim, scale,
-                                     torch.get_num_threads())
+    failed = _library.bf16_attention(query.data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1),
+                                     mask_at, mask_bf16, out.data_ptr(), batch, heads, kv[1], tokens, length, dim,
+                                     scale, torch.get_num_threads())
     if failed > 0:
         raise MemoryError("bf16_kernel: no memory for attention's scores")
     return None if failed else out

@@ -341,6 +341,24 @@ def test_the_kernels_attention_is_as_close_to_float64_as_sdpas(mask_dtype, built
         assert (got.double() - exact).abs().max() <= 1.5 * (sdpa.double() - exact).abs().max() + 1e-3
 
 
+def test_the_kernels_attention_reads_keys_and_values_as_views_of_a_larger_cache(built, monkeypatch):
+    """Keys and values that are the first slots of larger tensors (a growing cache's views of its stores: heads and
+    batch rows further apart than the slots used) attend bitwise as their contiguous copies; other layouts are
+    copied first."""
+    if "avx512_bf16" not in RUNS:
+        pytest.skip("the attention is built for AVX-512-BF16 only")
+    monkeypatch.setattr(bf16_kernel, "_library", built("avx512_bf16"))
+    torch.manual_seed(0)
+    query = torch.randn(2, 6, 3, 64).to(torch.bfloat16)
+    stores = [torch.randn(2, 3, 90, 64).to(torch.bfloat16) for _ in range(2)]
+    key, value = (store[:, :, :41] for store in stores)
+    mask = torch.zeros(2, 1, 3, 41, dtype=torch.bfloat16)
+    want = bf16_kernel.attention(query, key.contiguous(), value.contiguous(), mask, 0.125)
+    assert not key.is_contiguous() and torch.equal(bf16_kernel.attention(query, key, value, mask, 0.125), want)
+    turned = [t.transpose(2, 3).contiguous().transpose(2, 3) for t in (key, value)]  # each slot's values apart
+    assert torch.equal(bf16_kernel.attention(query, *turned, mask, 0.125), want)
+
+
 def test_the_kernels_attention_leaves_what_it_does_not_take_to_sdpa(built, monkeypatch):
     """Float32 inputs, a head size it has no form for, a mask of another shape or a boolean one, and the AVX2 build
     (which has no attention): None, so that SDPA attends."""

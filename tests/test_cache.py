@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import DynamicCache
 
-from clover_hf.cache import compact_cache, select_rows
+from clover_hf.cache import GrowingLayer, compact_cache, new_cache, select_rows
+
+KINDS = [pytest.param(DynamicCache, id="concatenating"), pytest.param(new_cache, id="growing")]
 
 
-def _cache(batch: int, length: int) -> DynamicCache:
-    cache = DynamicCache()
+@pytest.fixture(params=KINDS)
+def kind(request):
+    return request.param
+
+
+def _cache(batch: int, length: int, kind=DynamicCache) -> DynamicCache:
+    cache = kind()
     for layer in range(2):
         # (B, heads, T, head_dim) whose entries name their row, layer and slot
         keys = torch.arange(batch * length, dtype=torch.float32).view(batch, 1, length, 1).expand(-1, 2, -1, 3)
@@ -17,8 +25,8 @@ def _cache(batch: int, length: int) -> DynamicCache:
     return cache
 
 
-def test_compact_cache_keeps_each_rows_own_nodes():
-    cache = _cache(batch=2, length=9)  # a 4-slot prefix, then a 5-node tree block
+def test_compact_cache_keeps_each_rows_own_nodes(kind):
+    cache = _cache(batch=2, length=9, kind=kind)  # a 4-slot prefix, then a 5-node tree block
     keep = torch.tensor([[0, 2, 3], [0, 4, 0]])  # row 1 keeps two nodes and pads with slot 0
     compact_cache(cache, 4, keep)
     for layer, offset in zip(cache.layers, (0, 1000)):
@@ -29,8 +37,8 @@ def test_compact_cache_keeps_each_rows_own_nodes():
         assert torch.equal(layer.values, -(layer.keys - offset))
 
 
-def test_select_rows_drops_rows_and_unused_slots():
-    cache = _cache(batch=3, length=4)
+def test_select_rows_drops_rows_and_unused_slots(kind):
+    cache = _cache(batch=3, length=4, kind=kind)
     select_rows(cache, torch.tensor([0, 2]), torch.tensor([True, False, True, True]))
     keys = cache.layers[0].keys
     assert keys.shape == (2, 2, 3, 3)
@@ -68,3 +76,58 @@ def test_compact_cache_moves_only_what_is_out_of_place(monkeypatch):
     compact_cache(cut, 4, torch.tensor([[0, 1]]))
     assert moved == []
     assert cut.layers[1].keys[0, 0, :, 0].tolist() == [1000 + v for v in range(6)]
+
+
+def _step(cache, start: int, count: int, batch: int = 2) -> None:
+    """`count` new slots in each of two layers whose keys name their position (from `start`) and layer, values the
+    negative."""
+    for layer in range(2):
+        keys = torch.arange(start, start + count, dtype=torch.float32).view(1, 1, count, 1).expand(batch, 2, -1, 3)
+        cache.update(keys + 1000 * layer, -(keys + 1000 * layer), layer)
+
+
+def _positions(layer) -> list[float]:
+    assert torch.equal(layer.values, -layer.keys)
+    return layer.keys[0, 0, :, 0].tolist()
+
+
+def test_a_growing_cache_writes_new_slots_in_place_and_copies_only_when_full():
+    cache = new_cache()
+    _step(cache, 0, 5)
+    layer = cache.layers[0]
+    assert isinstance(layer, GrowingLayer)
+    store = layer.stores[0]
+    assert store.shape[-2] == 5 + GrowingLayer.SPARE and layer.keys.data_ptr() == store.data_ptr()
+    for start in range(5, 5 + GrowingLayer.SPARE, 16):
+        _step(cache, start, 16)
+        assert layer.stores[0] is store  # written in place, no copy of what it holds
+    assert _positions(layer) == list(range(5 + GrowingLayer.SPARE))
+    _step(cache, 5 + GrowingLayer.SPARE, 3)  # full: copied once into a store a quarter larger or SPARE more
+    assert layer.stores[0] is not store and _positions(layer) == list(range(8 + GrowingLayer.SPARE))
+    assert [_positions(layer)[-1] for layer in cache.layers] == [7 + GrowingLayer.SPARE, 1007 + GrowingLayer.SPARE]
+
+
+def test_a_growing_cache_goes_on_in_place_after_compaction_and_copies_after_replacement():
+    cache = new_cache()
+    _step(cache, 0, 6)
+    store = cache.layers[0].stores[0]
+    compact_cache(cache, 2, torch.tensor([[0, 3], [0, 3]]))  # keeps slots 2 and 5 behind the prefix
+    _step(cache, 10, 2)
+    assert cache.layers[0].stores[0] is store and _positions(cache.layers[0]) == [0, 1, 2, 5, 10, 11]
+    select_rows(cache, torch.tensor([1]))  # new tensors: no longer views of the store
+    _step(cache, 20, 1, batch=1)
+    assert cache.layers[0].stores[0] is not store and cache.layers[0].keys.shape[0] == 1
+    assert _positions(cache.layers[1]) == [1000, 1001, 1002, 1005, 1010, 1011, 1020]
+
+
+def test_a_growing_cache_made_in_inference_mode_goes_on_outside_it():
+    """A decoding call's cache holds inference tensors; a caller may go on decoding with it outside inference mode
+    (plain `generate` runs under no_grad), where those cannot be written: the stores are copied first."""
+    cache = new_cache()
+    with torch.inference_mode():
+        _step(cache, 0, 4)
+    assert cache.layers[0].stores[0].is_inference()
+    with torch.no_grad():
+        _step(cache, 4, 2)
+    assert not cache.layers[0].stores[0].is_inference()
+    assert _positions(cache.layers[0]) == list(range(6))

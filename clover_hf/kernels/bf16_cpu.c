@@ -323,6 +323,7 @@ int bf16_rows(const uint16_t* x, const uint16_t* wb, const float* bias, uint16_t
 
 #if defined(__AVX512BF16__)
 #define ATT_ROWS 8 /* query rows (of one key/value head) whose scores one pass computes */
+#define KEYS_AHEAD 4 /* blocks of 16 keys read ahead while transposing */
 
 /* 16 bf16 values (those of `live`; the others zero) widened to float32 */
 static inline __m512 bf16x16(const uint16_t* p, __mmask16 live) {
@@ -357,6 +358,9 @@ static void transpose_keys(const uint16_t* k, uint32_t* kt, int K, int D) {
         int n = K - 16 * blk < 16 ? K - 16 * blk : 16;
         __mmask16 live = (__mmask16)((1u << n) - 1u);
         const int* base = (const int*)(k + (size_t)blk * 16 * D);
+        if (blk + KEYS_AHEAD < blocks) /* gathers from memory wait on each line: fetch the keys a few blocks ahead */
+            for (int line = 0; line < 16 * D * 2; line += 64)
+                _mm_prefetch((const char*)(k + (size_t)(blk + KEYS_AHEAD) * 16 * D) + line, _MM_HINT_T0);
         uint32_t* out = kt + (size_t)blk * pairs * 16;
         for (int p = 0; p < pairs; p++)
             _mm512_storeu_si512(out + 16 * p, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
@@ -428,9 +432,12 @@ static void attend_rows(const uint16_t* const* q_at, const void* const* mask_at,
 
 /* out (B, T, H, D) = softmax(scale * q k^T + mask) v for queries q (B, H, T, D) and keys and values k, v
  * (B, G, K, D), each key/value head serving H / G query heads; mask (B, 1, T, K) additive, float32 (mask_bf16 0)
- * or bf16 (1), or NULL (every key seen). D a multiple of 32, at most 256. Returns 1 where memory ran out. */
-int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, const void* mask, int mask_bf16,
-                   uint16_t* out, int B, int H, int G, int T, int K, int D, float scale, int threads) {
+ * or bf16 (1), or NULL (every key seen). D a multiple of 32, at most 256. A head's keys (values) are K rows of D
+ * values one after another; heads lie kv_head values apart and batch rows kv_row apart (views of a larger cache).
+ * Returns 1 where memory ran out. */
+int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, long kv_row, long kv_head,
+                   const void* mask, int mask_bf16, uint16_t* out, int B, int H, int G, int T, int K, int D, float scale,
+                   int threads) {
     int group = H / G, pairs = D / 2, blocks = (K + 15) / 16, rows = group * T;
     int chunks = (rows + ATT_ROWS - 1) / ATT_ROWS;
     size_t per_head = (size_t)blocks * pairs * 16;
@@ -442,7 +449,7 @@ int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, cons
     {
         #pragma omp for schedule(static)
         for (int bg = 0; bg < B * G; bg++)
-            transpose_keys(k + (size_t)bg * K * D, kt + (size_t)bg * per_head, K, D);
+            transpose_keys(k + (size_t)(bg / G) * kv_row + (size_t)(bg % G) * kv_head, kt + (size_t)bg * per_head, K, D);
         float* scores = malloc(sizeof(float) * ATT_ROWS * 16 * (size_t)blocks);
         if (!scores) {
             #pragma omp atomic write
@@ -464,8 +471,8 @@ int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, cons
                 mask_at[i] = !mask ? 0 : mask_bf16 ? (const void*)((const uint16_t*)mask + m) : (const void*)((const float*)mask + m);
                 o_at[i] = out + (((size_t)b * T + t) * H + h) * D;
             }
-            attend_rows(q_at, mask_at, mask_bf16, o_at, n, kt + (size_t)bg * per_head, v + (size_t)bg * K * D, K, D,
-                        scale, scores);
+            attend_rows(q_at, mask_at, mask_bf16, o_at, n, kt + (size_t)bg * per_head,
+                        v + (size_t)b * kv_row + (size_t)g * kv_head, K, D, scale, scores);
         }
         free(scores);
     }
@@ -575,9 +582,10 @@ int i8_rows(const uint16_t* x, const int8_t* wq, const float* w_scales, const in
     return 0;
 }
 #else
-int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, const void* mask, int mask_bf16,
-                   uint16_t* out, int B, int H, int G, int T, int K, int D, float scale, int threads) {
-    (void)q; (void)k; (void)v; (void)mask; (void)mask_bf16; (void)out; (void)B; (void)H; (void)G; (void)T; (void)K;
+int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, long kv_row, long kv_head,
+                   const void* mask, int mask_bf16, uint16_t* out, int B, int H, int G, int T, int K, int D, float scale,
+                   int threads) {
+    (void)kv_row; (void)kv_head; (void)q; (void)k; (void)v; (void)mask; (void)mask_bf16; (void)out; (void)B; (void)H; (void)G; (void)T; (void)K;
     (void)D; (void)scale; (void)threads;
     return -1; /* the AVX2 build has none: SDPA attends */
 }
