@@ -17,6 +17,8 @@ from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from . import bf16_kernel
+
 
 class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` whose keys and values are views of larger tensors (its stores), which new tokens are written
@@ -196,10 +198,13 @@ def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> N
     start = _in_place(keep)
     moved = keep.shape[1] - start
     src = keep[:, start:] + prefix_len
-    for layer in _layers(cache):
-        if moved:
+    layers = _layers(cache)
+    if moved and not bf16_kernel.move_slots([t for layer in layers for t in (layer.keys, layer.values)], src,
+                                            prefix_len + start):
+        for layer in layers:
             for t in (layer.keys, layer.values):
                 t.narrow(-2, prefix_len + start, moved).copy_(_gather_slots(t, src))
+    for layer in layers:
         _set_length(layer, end)
 
 

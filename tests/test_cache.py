@@ -131,3 +131,38 @@ def test_a_growing_cache_made_in_inference_mode_goes_on_outside_it():
         _step(cache, 4, 2)
     assert not cache.layers[0].stores[0].is_inference()
     assert _positions(cache.layers[0]) == list(range(6))
+
+
+def test_compaction_in_the_kernel_moves_what_torch_moves(monkeypatch):
+    """Where the kernel is loaded, compaction moves every layer's slots in one call: the kept slots hold what torch's
+    gathers put there (a padded slot, masked out, may hold another), for rows that keep different nodes, float32 and
+    bf16, growing and concatenated layers; and never where it is not loaded."""
+    from clover_hf import bf16_kernel
+
+    if not bf16_kernel.cpu_supports() or bf16_kernel._compiler() is None or not bf16_kernel.available():
+        pytest.skip("no kernel on this CPU")
+    moved = []
+    real, library = bf16_kernel.move_slots, bf16_kernel._library
+
+    def move_slots(*args):
+        moved.append(real(*args))
+        return moved[-1]
+
+    monkeypatch.setattr(bf16_kernel, "move_slots", move_slots)
+    keep = torch.tensor([[0, 2, 3, 5], [1, 4, 0, 0]])
+    for dtype in (torch.float32, torch.bfloat16):
+        for kind in (DynamicCache, new_cache):
+            caches = {}
+            for loaded in (True, False):
+                monkeypatch.setattr(bf16_kernel, "_library", library if loaded else None)
+                cache = caches[loaded] = _cache(batch=2, length=12, kind=kind)
+                for layer in cache.layers:
+                    layer.keys, layer.values = layer.keys.to(dtype), layer.values.to(dtype)
+                    if kind is new_cache:
+                        layer.stores = (layer.keys, layer.values)
+                compact_cache(cache, 5, keep)
+            for ours, torchs in zip(caches[True].layers, caches[False].layers):
+                assert ours.keys.shape == (2, 2, 9, 3)
+                for t, u in ((ours.keys, torchs.keys), (ours.values, torchs.values)):  # row 1's last two: padding
+                    assert torch.equal(t[0], u[0]) and torch.equal(t[1, :, :7], u[1, :, :7])
+    assert moved == [True, False] * 4

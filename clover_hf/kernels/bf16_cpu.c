@@ -273,6 +273,21 @@ void bf16_cosine_gate(const uint16_t* h, const uint16_t* q, const uint16_t* k, c
         }
 }
 
+/* A KV cache's compaction in one call: in each of `count` tensors (B, H, slots, slot_bytes / element), whose rows
+ * and heads lie batch_bytes[t] and head_bytes[t] apart and whose slots follow one another, slot src[b * moved + i]
+ * of row b moves to slot dst + i, i ascending (sources at or after their destinations, as kept tree nodes lie). */
+void move_slots(uint8_t* const* bases, const long* batch_bytes, const long* head_bytes, int count, int B, int H,
+                long slot_bytes, const int64_t* src, int moved, long dst) {
+    for (int t = 0; t < count; t++)
+        for (int b = 0; b < B; b++)
+            for (int h = 0; h < H; h++) {
+                uint8_t* head = bases[t] + b * batch_bytes[t] + h * head_bytes[t];
+                for (int i = 0; i < moved; i++)
+                    memmove(head + (dst + i) * slot_bytes, head + src[(size_t)b * moved + i] * slot_bytes,
+                            (size_t)slot_bytes);
+            }
+}
+
 /* The rotary embedding of queries (B, T, Hq, D) and keys (B, T, Hk, D), whose token rows are q_row and k_row
  * values apart (heads contiguous within a row), by cos and sin (B, T, D), into qo (B, Hq, T, D) and ko
  * (B, Hk, T, D). */
