@@ -148,9 +148,9 @@ class AugmentLayer(nn.Module):
         (B, T, heads, hd); None where it has none."""
         T, length = q.shape[2], k.shape[2]
         mask = None
-        if T > 1:
-            later = torch.ones(T, length, dtype=torch.bool, device=q.device).triu(length - T + 1)
-            mask = torch.zeros(q.shape[0], 1, T, length, dtype=q.dtype).masked_fill_(later, torch.finfo(q.dtype).min)
+        if T > 1:  # the lowest value where a key is later than the query: on and above diagonal length - T + 1
+            mask = torch.full((T, length), torch.finfo(q.dtype).min, dtype=q.dtype).triu(length - T + 1)
+            mask = mask.expand(q.shape[0], 1, T, length)
         return bf16_kernel.attention(q, k, v, mask, self.head_dim**-0.5)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
