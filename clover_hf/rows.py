@@ -187,7 +187,7 @@ def _compact(cache, past_len: int, kept: list[torch.Tensor], node_pos: torch.Ten
     if len(kept) == 1:
         if kept[0].shape[0] < node_pos.shape[1]:  # else every verified node was kept, in place
             compact_cache(cache, past_len, kept[0][None])
-        return node_pos[:, kept[0]]
+        return node_pos.index_select(1, kept[0])
     width = max(k.shape[0] for k in kept)
     index = torch.zeros(len(kept), width, dtype=torch.long, device=node_pos.device)
     slot_pos = torch.full_like(index, -1)
