@@ -420,9 +420,14 @@ def _emit_rows(rows: list[Row], drafts: list[Draft], chains: list[torch.Tensor],
     stopping criterion; returns each row's new tokens and the tree nodes its cache keeps."""
     news, kept = [], []
     for b, (row, draft, chain, (nodes, bonus, scores)) in enumerate(zip(rows, drafts, chains, accepted)):
-        # index_select: a tensor index (aten::index) took 16 us a call here, as much as the few rows it copies
         new = torch.cat([draft.tokens.index_select(0, nodes[1:]), bonus.view(1)])
-        n, row.finished = row.emitter.emit(new, scores.index_select(0, nodes), logits[b].index_select(0, nodes))
+        # the scores and logits of a path down a chain (nodes 0..n-1: every one-token step) are views where the
+        # emitter keeps neither (a kept view would hold the step's every row): copying a vocabulary-wide row took
+        # 10-14 us (SmolLM2, CPU); elsewhere reading the last node would be a host sync
+        keeps = row.emitter.scores is not None or row.emitter.raw_logits is not None
+        chain_path = not keeps and nodes.device.type == "cpu" and int(nodes[-1]) == nodes.shape[0] - 1
+        rows_at = (lambda t: t[: nodes.shape[0]]) if chain_path else (lambda t: t.index_select(0, nodes))
+        n, row.finished = row.emitter.emit(new, rows_at(scores), rows_at(logits[b]))
         row.ngrams.extend(new[:n].tolist())
         kept.append(nodes[:n])  # the cache holds every emitted token but the last
         row.next_pos = row.next_pos + n
