@@ -705,3 +705,23 @@ def test_a_first_timing_of_a_width_counts_at_most_twice_what_narrower_widths_pre
     alone = CostModel()
     alone.record(1, 4, 60.0)
     assert alone.ms[1][4] == 60.0
+
+
+def test_forms_whose_verify_costs_exceed_a_wider_row_count_in_the_copy_form_switch_to_it():
+    """Timed verify forwards that show a row count's form dearer than a wider one's copy form (float32 on the
+    AVX-512-bf16 EPYC: W @ x.T at 2-6 tokens 28.9-40.9 ms, oneDNN's blocked layout at 8 tokens 28.4) switch it to the
+    copy form, and drop its widths' costs (every row count's) to be timed again; forms still pending, forms without a
+    copy form, and curves without an inversion stay."""
+    forms = {1: "packed", 2: "transposed", 4: "transposed", 8: "packed", 16: "packed"}
+    curve = {1: 20.4, 2: 28.9, 3: 33.1, 4: 32.7, 6: 40.9, 7: 56.0, 8: 28.4, 12: 28.0, 16: 29.0}
+    costs = CostModel({1: dict(curve), 2: {1: 30.0, 2: 35.0, 4: 40.0}}, forms=dict(forms))
+    assert costs.correct_inverted_forms() == [2, 4]
+    assert costs.forms == {1: "packed", 2: "packed", 4: "packed", 8: "packed", 16: "packed"}
+    assert costs.ms == {1: {1: 20.4, 8: 28.4, 12: 28.0, 16: 29.0}, 2: {4: 40.0}}
+    assert costs.correct_inverted_forms() == []
+    sane = {**curve, 2: 21.0, 3: 22.0, 4: 23.0, 6: 25.0, 7: 27.0}  # narrower widths cheaper: the forms stay
+    for kept in (CostModel({1: dict(sane)}, forms=dict(forms)),
+                 CostModel({1: dict(curve)}, forms=dict(forms), pending=[16]),
+                 CostModel({1: dict(curve)}, forms={**forms, 1: "native", 8: "linear", 16: "linear"})):
+        before = (dict(kept.forms), {r: dict(c) for r, c in kept.ms.items()})
+        assert kept.correct_inverted_forms() == [] and (kept.forms, kept.ms) == before
