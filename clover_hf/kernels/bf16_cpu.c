@@ -193,6 +193,13 @@ static void tiles(const xtype* x, const uint16_t* wb, const float* bias, uint16_
     }
 }
 
+/* the contiguous share of `blocks` this OpenMP thread computes (all of them outside a parallel region) */
+static void thread_range(int blocks, int* b0, int* b1) {
+    int n = omp_get_num_threads(), per = (blocks + n - 1) / n;
+    *b0 = omp_get_thread_num() * per;
+    *b1 = *b0 + per < blocks ? *b0 + per : blocks;
+}
+
 static float bf16_to_float(uint16_t v) {
     uint32_t bits = (uint32_t)v << 16;
     float f;
@@ -318,17 +325,12 @@ int bf16_rows(const uint16_t* x, const uint16_t* wb, const float* bias, uint16_t
     for (size_t i = 0; i < (size_t)R * I; i++)
         xs[i] = bf16_to_float(x[i]);
 #endif
-    if (threads <= 1 || blocks < 2) {
-        tiles(xs, wb, bias, y, R, I, O, 0, blocks);
-    } else {
-        #pragma omp parallel num_threads(threads)
-        {
-            int t = omp_get_thread_num(), n = omp_get_num_threads();
-            int per = (blocks + n - 1) / n;
-            int b0 = t * per, b1 = b0 + per < blocks ? b0 + per : blocks;
-            if (b0 < b1)
-                tiles(xs, wb, bias, y, R, I, O, b0, b1);
-        }
+    #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
+    {
+        int b0, b1;
+        thread_range(blocks, &b0, &b1);
+        if (b0 < b1)
+            tiles(xs, wb, bias, y, R, I, O, b0, b1);
     }
 #if !defined(__AVX512BF16__)
     free(xs);
@@ -581,17 +583,12 @@ int i8_rows(const uint16_t* x, const int8_t* wq, const float* w_scales, const in
         }
     }
     int blocks = O / 32;
-    if (threads <= 1 || blocks < 2) {
-        i8_tiles(xq, xs, wq, w_scales, w_sums, bias, y, R, I, O, 0, blocks);
-    } else {
-        #pragma omp parallel num_threads(threads)
-        {
-            int t = omp_get_thread_num(), n = omp_get_num_threads();
-            int per = (blocks + n - 1) / n;
-            int b0 = t * per, b1 = b0 + per < blocks ? b0 + per : blocks;
-            if (b0 < b1)
-                i8_tiles(xq, xs, wq, w_scales, w_sums, bias, y, R, I, O, b0, b1);
-        }
+    #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
+    {
+        int b0, b1;
+        thread_range(blocks, &b0, &b1);
+        if (b0 < b1)
+            i8_tiles(xq, xs, wq, w_scales, w_sums, bias, y, R, I, O, b0, b1);
     }
     free(xq);
     return 0;
