@@ -719,6 +719,8 @@ def test_forms_whose_verify_costs_exceed_a_wider_row_count_in_the_copy_form_swit
     assert costs.forms == {1: "packed", 2: "packed", 4: "packed", 8: "packed", 16: "packed"}
     assert costs.ms == {1: {1: 20.4, 8: 28.4, 12: 28.0, 16: 29.0}, 2: {4: 40.0}}
     assert costs.correct_inverted_forms() == []
+    one_row = CostModel({1: {1: 13.5, 2: 11.6, 4: 12.6, 8: 14.1}}, forms={1: "native", 2: "tiled", 4: "tiled"})
+    assert one_row.correct_inverted_forms() == [1] and one_row.forms[1] == "tiled" and 1 not in one_row.ms[1]
     sane = {**curve, 2: 21.0, 3: 22.0, 4: 23.0, 6: 25.0, 7: 27.0}  # narrower widths cheaper: the forms stay
     for kept in (CostModel({1: dict(sane)}, forms=dict(forms)),
                  CostModel({1: dict(curve)}, forms=dict(forms), pending=[16]),
