@@ -210,11 +210,7 @@ class FormTrials:
         """`layer(x)` for `rows` rows: in the settled form, or in the next form to time (timed)."""
         n, shape = row_bucket(rows), self.shape_of[id(layer)]
         self.used.add(id(layer))
-        # the copies are made where the forms settled on them, or for one row to be timed in their form: calls that
-        # verify one token a step (`budget="one-token"`) have no wider row count to make them, and one row had stayed
-        # pending for good (copies never made, never timed), its products in F.linear
-        if not self._copied_all and (self.copy_kind in self.forms.values() or (
-                n == 1 and 1 in self.pending and self.copy_kind in self._one_row_candidates())):
+        if not self._copied_all and self.copy_kind in self.forms.values():
             self._provide(layer, shape)
         if n in self.learnt or n not in self.pending:
             form = self.forms.get(n, LINEAR)
