@@ -210,7 +210,11 @@ class FormTrials:
         """`layer(x)` for `rows` rows: in the settled form, or in the next form to time (timed)."""
         n, shape = row_bucket(rows), self.shape_of[id(layer)]
         self.used.add(id(layer))
-        if not self._copied_all and self.copy_kind in self.forms.values():
+        # the copies are made where the forms settled on them, or for one row to be timed in their form: calls that
+        # verify one token a step (`budget="one-token"`) have no wider row count to make them, and one row had stayed
+        # pending for good (copies never made, never timed), its products in F.linear
+        if not self._copied_all and (self.copy_kind in self.forms.values() or (
+                n == 1 and 1 in self.pending and self.copy_kind in self._one_row_candidates())):
             self._provide(layer, shape)
         if n in self.learnt or n not in self.pending:
             form = self.forms.get(n, LINEAR)
@@ -295,7 +299,11 @@ class FormTrials:
         ms = {f: 1000 * min(self.one_row[f]) for f in candidates if self.one_row[f]}
         without = min((f for f in ms if f not in COPIES), key=ms.get)
         best = min(ms, key=ms.get)
-        kept = best in self.forms.values()  # the copies wider row counts compute from: made already
+        # the copies wider row counts compute from, made already, or to be timed by them still: whole forwards timed
+        # here understate a copy form's gain (the AVX-512-bf16 EPYC's tiled copies took 10.7 against 11.2 ms, their
+        # products apart 3.5 against 5.7), and where one row settles before the wider row counts (calls of one-token
+        # steps alone) the copy form had lost on the memory rule below
+        kept = best in self.forms.values() or (best == self.copy_kind and self._wider_pending())
         if best in COPIES and not kept and ms[best] > COPY_GAIN * ms[without]:
             best = without
         self.totals[1], self.fallback[1] = ms, without

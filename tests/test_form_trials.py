@@ -422,6 +422,34 @@ def test_one_row_settles_without_the_copy_form_where_no_wider_row_count_took_it(
     assert trials.fallback[1] not in COPIES
 
 
+def test_calls_of_one_token_steps_alone_make_the_copies_one_row_is_timed_in(monkeypatch):
+    """Calls that verify one token a step (`budget="one-token"`) on a machine with no stored forms: no wider row
+    count makes the copy form's copies, so one row makes them (as the call gets ahead of plain), is timed in that
+    form too and settles on it where fastest, though by less than the memory rule asks of copies no wider row count
+    keeps (`COPY_GAIN`): those are still to try it. Before, one row stayed pending, its products in F.linear."""
+    from clover_hf.linears import onednn_packs
+
+    if not onednn_packs():
+        pytest.skip("this torch build has no oneDNN: no blocked copies")
+    model = tiny_model("llama")
+    clock = FakeClock(lambda rows, form: 95.0 if form == kind else 100.0)  # 5% faster; past LEARN_ANYWAY soon
+    trials = FormTrials([model], WeightCopies(limit=10**9), known=None, pending=None, plain_row_s=0.05, clock=clock)
+    kind = trials.copy_kind
+    fake_products(monkeypatch, clock)
+    assert kind in trials.candidates[1] and 2 in trials.pending
+    for call in range(4):
+        trials.next_call()
+        with linear_forms([model], {}, trials.copies, trials):
+            for _ in range(4 * form_trials.SAMPLES * len(trials.candidates[1])):
+                forward_rows(model, 1)
+                if 1 not in trials.pending:
+                    break
+        if 1 not in trials.pending:
+            break
+    assert 1 not in trials.pending and trials.forms[1] == kind and trials.copies.nbytes > 0
+    assert 2 in trials.pending  # no wider product ran
+
+
 def test_one_row_still_pending_once_the_copies_are_made_is_learnt_from_one_token_steps(monkeypatch):
     """A call that got ahead of plain learns the wider forms first; once their copies are made, one row (timed in
     the copy form too) is learnt from one-token steps: wide steps would leave it pending for good."""
