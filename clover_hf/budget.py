@@ -179,7 +179,7 @@ class CostModel:
         kernel's tiled copies. Returns the row counts switched; none while forms are pending."""
         kept = copy_form(self.forms or {})
         curve = self.ms.get(1)
-        if kept is None or self.pending or not curve:
+        if kept is None or self.verify_pending() or not curve:
             return []
         switched = []
         for n, form in sorted(self.forms.items()):
@@ -193,6 +193,11 @@ class CostModel:
                 del widths[w]
                 self.timed_at.get(rows, {}).pop(w, None)
         return switched
+
+    def verify_pending(self) -> bool:
+        """Whether a verify forward's row count (up to PACK_ROWS) is still to be learnt; wider ones (a prefill's)
+        are learnt by the prefills of later calls."""
+        return any(n <= PACK_ROWS for n in self.pending or ())
 
     def untimed(self, rows: int, limit: int) -> list[int]:
         """The calibrated widths (or buckets) up to `limit` (and `limit`) with no cost for `rows` rows yet,
@@ -678,7 +683,7 @@ class DraftBudget:
         if self.fixed is not None:
             return self.fixed.forms or {}
         costs = self.stored(key)
-        unsettled = costs.forms is None or any(n <= PACK_ROWS for n in costs.pending or ())
+        unsettled = costs.forms is None or costs.verify_pending()
         if calibrate or (calibrate is None and unsettled):
             self.share_forms(key, measure(self.copy_limit()))
             costs.pending, costs.plain_row_ms = None, None
@@ -715,20 +720,21 @@ class DraftBudget:
         return trials
 
     def keep_learnt(self, key: str, trials: FormTrials) -> None:
-        """Store the forms `trials` learnt for `key`, the row counts still pending (none once `finished`) and
-        plain's one-token forward; the trials end once `ready` (their copies made). Trials only ever settle on
-        forms faster than those the verify costs were timed under: the costs stay, and the steps that time
-        them bring them down (dropping them would time every width again)."""
+        """Store the forms `trials` learnt for `key`, the row counts still pending and plain's one-token forward;
+        the trials end once `ready` (their copies made) with no row count pending (a prefill's may stay so for
+        long: the products of others then pass them by). Trials only ever settle on forms faster than those the
+        verify costs were timed under: the costs stay, and the steps that time them bring them down (dropping them
+        would time every width again)."""
         if self.fixed is None:
             costs = self.stored(key)
-            done = trials.finished()
-            costs.forms, costs.pending = dict(trials.forms), None if done else sorted(trials.pending)
+            costs.forms, costs.pending = dict(trials.forms), sorted(trials.pending) or None
             costs.fallbacks = dict(trials.fallback) or None
             if trials.plain_row_s is not None:
                 costs.plain_row_ms = 1000 * trials.plain_row_s
             if trials.ready():
-                self._trials.pop(key, None)
                 self._provided.add(key)
+                if not trials.pending:
+                    self._trials.pop(key, None)
 
     def share_forms(self, key: str, forms: dict[int, str], learning: bool = False) -> None:
         """Costs under `key` are timed in `forms` (measured for it, or under another key: another cache on the
@@ -773,8 +779,12 @@ class DraftBudget:
 
     def save(self, key: str) -> None:
         """Keep what the timed steps refined for the next process, with forms their costs show slower than the copy
-        form switched to it (`CostModel.correct_inverted_forms`) once the trials are done."""
+        form switched to it (`CostModel.correct_inverted_forms`) once the trials' forms are ready."""
         if self.fixed is None and key in self._costs:
-            if key not in self._trials:
-                self._costs[key].correct_inverted_forms()
+            trials = self._trials.get(key)
+            if trials is None or trials.ready():
+                costs = self._costs[key]
+                for n in costs.correct_inverted_forms():
+                    if trials is not None:  # the forms calls use while a prefill's row count is still to learn
+                        trials.forms[n] = costs.forms[n]
             save_costs(key, self._costs[key], self.cache_dir)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import clover_hf.form_trials as form_trials
+import clover_hf.linears as linears
 from clover_hf import CloverForCausalLM, DraftBudget
 from clover_hf.budget import CostModel, load_costs
 from clover_hf.form_trials import COVERAGE, SAMPLES, FormTrials, row_bucket
@@ -170,6 +171,74 @@ def test_a_row_count_stays_pending_until_the_shapes_timed_hold_most_of_the_bytes
     assert 2 not in trials.pending
 
 
+def test_a_prefill_learns_its_row_count_once_the_verify_forms_are_ready(monkeypatch):
+    """A prefill's row count (above PACK_ROWS) computes in F.linear, as plain's, while the verify forms are being
+    learnt (a prefill comes before the call may learn); once they are ready, the prefills of later calls time
+    the forms and settle it, and the prefills after those compute in the form settled."""
+    model = tiny_model("llama")
+    clock = FakeClock(lambda rows, form: {LINEAR: 1.0, TRANSPOSED: 0.25}.get(form, 2.0) * rows)
+    done = fake_products(monkeypatch, clock)
+    trials = FormTrials([model], WeightCopies(), clock=clock)
+    prefill = 2 * PACK_ROWS + 3
+    trials.next_call()
+    with linear_forms([model], {}, None, trials):
+        forward_rows(model, prefill)
+    assert not done and row_bucket(prefill) in trials.pending  # F.linear, untimed (outside the trials)
+    trials.pending -= {n for n in range(PACK_ROWS + 1)}  # the verify forms settled (on F.linear: no copies)
+    assert trials.ready()
+    calls = 0
+    while row_bucket(prefill) in trials.pending:
+        calls += 1
+        assert calls <= 2 * (SAMPLES + 1)
+        trials.next_call()
+        with linear_forms([model], {}, None, trials):
+            forward_rows(model, prefill)
+    assert trials.forms[row_bucket(prefill)] == TRANSPOSED
+    done.clear()
+    bound = []
+    real = linears.form_product
+    monkeypatch.setattr(linears, "form_product", lambda form, *a, **k: bound.append(form) or real(form, *a, **k))
+    trials.next_call()
+    with linear_forms([model], trials.forms, None, trials):
+        forward_rows(model, prefill)
+    assert not done and set(bound) == {TRANSPOSED}  # settled: computed outside the trials, in its form
+
+
+def test_a_prefill_times_the_copy_form_on_layers_a_stacked_copy_holds(monkeypatch):
+    """Where the verify forms settled on copies, a layer whose group computes from one stacked copy (q/k/v,
+    gate/up) gets a copy of its own to be timed at a prefill's row count, though the call may not copy yet: else
+    those shapes were never timed in the copy form, and the row count never settled (F.linear prefills for good)."""
+    from clover_hf.linears import onednn_packs
+
+    if not onednn_packs():
+        pytest.skip("this torch build has no oneDNN: no blocked copies")  # every x86 CPU wheel has it
+    model = tiny_model("llama")
+    clock = FakeClock(lambda rows, form: (0.2 if form in COPIES else 1.0) * rows)
+    fake_products(monkeypatch, clock)
+    copies = WeightCopies(limit=10**9)
+    trials = FormTrials([model], copies, plain_row_s=0.050, clock=clock)
+    kind = trials.copy_kind
+    trials.pending -= {n for n in range(PACK_ROWS + 1)}
+    trials.forms.update({n: kind for n in (1, 2, 4, 8, 16)})
+    copies.prepare_units(trials.units, kind)
+    trials.next_call()
+    with linear_forms([model], trials.forms, copies, trials):
+        forward_rows(model, 2)  # a verify forward: the copies serve every layer
+    assert trials.ready() and copies.stacked  # the groups compute from stacked copies
+    prefill = 2 * PACK_ROWS + 3
+    for _ in range(2 * (SAMPLES + 1)):
+        if row_bucket(prefill) not in trials.pending:
+            break
+        trials.next_call()
+        assert not trials.may_learn()
+        with linear_forms([model], trials.forms, copies, trials):
+            forward_rows(model, prefill)
+    assert trials.forms.get(row_bucket(prefill)) == kind
+    grouped = {trials.shape_of[id(m)] for m in copies.stacked}
+    assert all(trials.ms[(row_bucket(prefill), shape)][kind] for shape in grouped)
+    assert not trials.timing_copies  # the copies made for the timing alone are dropped once it settles
+
+
 def test_a_form_far_behind_is_timed_once_and_atens_kernel_only_at_one_row(monkeypatch):
     """A form whose one timing takes NATIVE_BEHIND times the best other's is not timed again for that shape;
     ATen's kernel is tried at one row only (whole forwards of 2-3 tokens ran slower with it)."""
@@ -252,9 +321,10 @@ def test_stored_forms_and_pending_row_counts_survive_the_cache_file(tmp_path):
     assert loaded.fallbacks == {1: "native", 4: "transposed"}
 
 
-def test_forms_learnt_keep_the_verify_costs_and_end_once_verify_row_counts_settle(tmp_path):
+def test_forms_learnt_keep_the_verify_costs_and_end_once_every_row_count_settles(tmp_path):
     """Trials settle only on forms faster than the costs were timed under: the costs stay. Once every row
-    count up to PACK_ROWS settled, the trials end and nothing is pending."""
+    count up to PACK_ROWS settled, the wider ones (a prefill's) stay pending and the trials go on; they end
+    once those settle too."""
     model = tiny_model("llama")
     budget = DraftBudget(cache_dir=tmp_path)
     trials = budget.form_trials("m", None, [model])
@@ -267,6 +337,10 @@ def test_forms_learnt_keep_the_verify_costs_and_end_once_verify_row_counts_settl
     assert stored.forms == {4: TRANSPOSED} and stored.ms == {1: {1: 9.0, 4: 12.0}} and 8 in stored.pending
     assert budget.form_trials("m", None, [model]) is trials  # the same trials go on in the next call
     trials.pending -= {n for n in range(PACK_ROWS + 1)}
+    budget.keep_learnt("m", trials)
+    assert budget.stored("m").pending == [32, 64, 128, 256] and not budget.stored("m").verify_pending()
+    assert budget.form_trials("m", None, [model]) is trials
+    trials.pending.clear()
     budget.keep_learnt("m", trials)
     assert budget.stored("m").pending is None and budget.form_trials("m", None, [model]) is None
 
