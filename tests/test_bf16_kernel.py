@@ -506,15 +506,15 @@ def _dequantized(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return rows.double() * scales.double()[:, None]
 
 
+@pytest.mark.parametrize("isa", BUILDS)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_int8_product_is_the_dequantized_product_to_bf16_rounding(rows, with_bias, built, monkeypatch):
+def test_the_int8_product_is_the_dequantized_product_to_bf16_rounding(isa, rows, with_bias, built, monkeypatch):
     """int8 rows with a scale each, times bf16 rows split in two int8 parts (about 16 bits): within a bf16 step of the
     exact product plus the split's error (half of x's largest magnitude / 127 / 254 an input), at row counts below,
-    at and past a pass's four, with a bias and inputs of more than two dimensions."""
-    if "avx512_bf16" not in RUNS:
-        pytest.skip("the CPU has no AVX-512-BF16 with VNNI, or no C compiler")
-    monkeypatch.setattr(bf16_kernel, "_library", built("avx512_bf16"))
+    at and past a pass's four (VNNI's), with a bias and inputs of more than two dimensions; where the CPU runs both
+    builds, the same outputs from each (the same int32 sums)."""
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     torch.manual_seed(rows)
     from clover_hf.heads import DraftLMHead
 
@@ -531,21 +531,27 @@ def test_the_int8_product_is_the_dequantized_product_to_bf16_rounding(rows, with
     assert ((out.double() - exact).abs() <= exact.abs() * 2.0**-8 + 1.01 * split + 1e-6).all()
     assert torch.equal(product(torch.zeros(rows, 64, dtype=torch.bfloat16)),  # no magnitude: the bias alone
                        torch.zeros(rows, 96) if bias is None else bias.float().expand(rows, 96).bfloat16())
+    for other in RUNS:
+        monkeypatch.setattr(bf16_kernel, "_library", built(other))
+        assert torch.equal(bf16_kernel.int8_product(quantized.weight, quantized.scales, bias)(x), out)
     with pytest.raises(TypeError, match="bf16 rows"):
         product(x.float())
     with pytest.raises(TypeError, match="bf16 rows"):
         product(x[..., :60])
 
 
-def test_the_int8_product_is_left_out_where_the_build_or_the_shape_has_none(built, monkeypatch):
-    """The AVX2 build has no int8 product, and it takes only a multiple of 32 rows of a multiple of 4 inputs: None,
-    so that torch's int8 kernel computes."""
+def test_the_int8_product_is_left_out_where_the_shape_is_not_one_it_takes(built, monkeypatch):
+    """The int8 product takes only a multiple of 32 rows of a multiple of 4 inputs: None for others, so that torch's
+    int8 kernel computes (and where no kernel is loaded)."""
     if not RUNS:
         pytest.skip("no build runs on this CPU")
     rows, scales = torch.ones(64, 16, dtype=torch.int8), torch.ones(64)
+    with monkeypatch.context() as unloaded:
+        unloaded.setattr(bf16_kernel, "available", lambda: False)
+        assert bf16_kernel.int8_product(rows, scales, None) is None
     for isa in RUNS:
         monkeypatch.setattr(bf16_kernel, "_library", built(isa))
-        assert (bf16_kernel.int8_product(rows, scales, None) is None) == (isa == "avx2")
+        assert bf16_kernel.int8_product(rows, scales, None) is not None
         assert bf16_kernel.int8_product(rows[:48], scales[:48], None) is None
         assert bf16_kernel.int8_product(rows[:, :14], scales, None) is None
         assert bf16_kernel.int8_product(rows.float(), scales, None) is None

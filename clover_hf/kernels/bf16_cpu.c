@@ -1,5 +1,5 @@
 /* bf16 kernels for decoding on x86 CPUs, built by clover_hf/bf16_kernel.py: transformers' RMSNorm and rotary
- * embedding in one call each, the attention of a few query tokens and a product by int8 weights (AVX-512-BF16 only),
+ * embedding in one call each, the attention of a few query tokens (AVX-512-BF16 only), a product by int8 weights,
  * and y = x @ w.T (+ bias) for a few rows of bf16 x, each weight byte read once for
  * a block of rows, sums in float32, for one of two instruction sets:
  *   AVX-512-BF16 (-mavx512bf16): vdpbf16ps multiplies pairs of bf16 inputs, eight rows a block;
@@ -486,15 +486,11 @@ int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, long
     return failed;
 }
 
-/* int8 products for drafting, where the rows only rank tokens: y (R x O) = x (R x I) @ w.T with int8 weights, one
- * float32 scale a row of w (`w_scales`). Each row of x, over its step s (its largest magnitude / 127), is split in
- * two int8 parts, hi = round(x / s) and lo = round((x / s - hi) * 254), so it keeps about 16 bits: x = s (hi + lo / 254).
- * vpdpbusd adds four products of unsigned by signed bytes, so both parts are shifted by 128 and 128 * (the column's
- * weight sum, `w_sums`) taken off. The weight is laid out in 32-column tiles, (O/32, I/4, 32, 4): tile t, input quad
- * g, column c holds w[32t + c, 4g : 4g + 4]. O a multiple of 32, I of 4. Outputs bf16 (plus bias, float32). */
+/* VNNI's vpdpbusd adds four products of unsigned by signed bytes: both parts of x are shifted by 128 and 128 * (the
+ * column's weight sum, `w_sums`) taken off, which leaves the same int32 sums as the AVX2 build's */
 #define I8_BLOCK 4 /* rows of x a pass over a tile reads the weights once for */
 
-static void i8_tiles(const uint8_t* xq, const float* xs, const int8_t* wq, const float* w_scales,
+static void i8_tiles(const int8_t* xq, const float* xs, const int8_t* wq, const float* w_scales,
                      const int32_t* w_sums, const float* bias, uint16_t* y, int R, int I, int O, int t0, int t1) {
     int quads = I / 4;
     for (int t = t0; t < t1; t++) {
@@ -522,7 +518,7 @@ static void i8_tiles(const uint8_t* xq, const float* xs, const int8_t* wq, const
                     int32_t hi, lo;
                     memcpy(&hi, xq + (size_t)(r0 + r) * 2 * I + 4 * g, 4);
                     memcpy(&lo, xq + (size_t)(r0 + r) * 2 * I + I + 4 * g, 4);
-                    __m512i xh = _mm512_set1_epi32(hi), xl = _mm512_set1_epi32(lo);
+                    __m512i xh = _mm512_set1_epi32(hi ^ (int32_t)0x80808080), xl = _mm512_set1_epi32(lo ^ (int32_t)0x80808080);
                     h0[r] = _mm512_dpbusd_epi32(h0[r], xh, w0);
                     h1[r] = _mm512_dpbusd_epi32(h1[r], xh, w1);
                     l0[r] = _mm512_dpbusd_epi32(l0[r], xl, w0);
@@ -545,18 +541,80 @@ static void i8_tiles(const uint8_t* xq, const float* xs, const int8_t* wq, const
     }
 }
 
-int i8_available(void) { return 1; }
+#else
+int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, long kv_row, long kv_head,
+                   const void* mask, int mask_bf16, uint16_t* out, int B, int H, int G, int T, int K, int D, float scale,
+                   int threads) {
+    (void)kv_row; (void)kv_head; (void)q; (void)k; (void)v; (void)mask; (void)mask_bf16; (void)out; (void)B; (void)H; (void)G; (void)T; (void)K;
+    (void)D; (void)scale; (void)threads;
+    return -1; /* the AVX2 build has none: SDPA attends */
+}
+/* AVX2 has no byte products of four: vpmaddubsw multiplies unsigned by signed bytes in pairs into int16, so each x
+ * part goes in as its magnitude and its sign moves onto the weight (|x| w sign(x): at most 2 * 127 * 127, short of
+ * int16's limit), and vpmaddwd adds the pairs into int32: the same sums as VNNI's. One row a pass over a tile (eight
+ * sums of 8 columns fill half the registers); a tile of SmolLM2's (18 KB) stays in L1 for the rows after the first. */
+static void i8_tiles(const int8_t* xq, const float* xs, const int8_t* wq, const float* w_scales,
+                     const int32_t* w_sums, const float* bias, uint16_t* y, int R, int I, int O, int t0, int t1) {
+    (void)w_sums;
+    int quads = I / 4;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256 fine = _mm256_set1_ps(1.0f / 254.0f);
+    for (int t = t0; t < t1; t++) {
+        const int8_t* wt = wq + (size_t)t * quads * 128;
+        int o = 32 * t;
+        for (int r = 0; r < R; r++) {
+            __m256i h[4], l[4];
+            for (int c = 0; c < 4; c++) {
+                h[c] = _mm256_setzero_si256();
+                l[c] = _mm256_setzero_si256();
+            }
+            const int8_t *xh = xq + (size_t)r * 2 * I, *xl = xh + I, *wp = wt;
+            for (int g = 0; g < quads; g++, wp += 128) {
+                if (r == 0) {
+                    READ_AHEAD(wp);
+                    READ_AHEAD(wp + 64);
+                }
+                int32_t hi, lo;
+                memcpy(&hi, xh + 4 * g, 4);
+                memcpy(&lo, xl + 4 * g, 4);
+                __m256i bh = _mm256_set1_epi32(hi), bl = _mm256_set1_epi32(lo);
+                __m256i ah = _mm256_abs_epi8(bh), al = _mm256_abs_epi8(bl);
+                for (int c = 0; c < 4; c++) {
+                    __m256i w = _mm256_loadu_si256((const __m256i*)(wp + 32 * c));
+                    h[c] = _mm256_add_epi32(h[c], _mm256_madd_epi16(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(w, bh)), ones));
+                    l[c] = _mm256_add_epi32(l[c], _mm256_madd_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(w, bl)), ones));
+                }
+            }
+            __m256 s = _mm256_set1_ps(xs[r]);
+            for (int c = 0; c < 4; c++) {
+                int at = o + 8 * c;
+                __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l[c]), fine, _mm256_cvtepi32_ps(h[c]));
+                v = _mm256_fmadd_ps(v, _mm256_mul_ps(_mm256_loadu_ps(w_scales + at), s),
+                                    bias ? _mm256_loadu_ps(bias + at) : _mm256_setzero_ps());
+                _mm_storeu_si128((__m128i*)(y + (size_t)r * O + at), bf16x8(v));
+            }
+        }
+    }
+}
+#endif
+
+/* int8 products for drafting, where the rows only rank tokens: y (R x O) = x (R x I) @ w.T with int8 weights, one
+ * float32 scale a row of w (`w_scales`). Each row of x, over its step s (its largest magnitude / 127), is split in
+ * two int8 parts, hi = round(x / s) and lo = round((x / s - hi) * 254), so it keeps about 16 bits: x = s (hi + lo / 254).
+ * Both builds add the same int32 sums of byte products (see `i8_tiles`), so their outputs are the same. The weight is
+ * laid out in 32-column tiles, (O/32, I/4, 32, 4): tile t, input quad g, column c holds w[32t + c, 4g : 4g + 4]. O a
+ * multiple of 32, I of 4. Outputs bf16 (plus bias, float32). */
 
 /* y = x @ w.T (+ bias) for bf16 x (R x I) and int8 w tiled as above; returns 1 where memory ran out */
 int i8_rows(const uint16_t* x, const int8_t* wq, const float* w_scales, const int32_t* w_sums, const float* bias,
             uint16_t* y, int R, int I, int O, int threads) {
-    uint8_t* xq = malloc(2 * (size_t)R * I + sizeof(float) * (size_t)R);
+    int8_t* xq = malloc(2 * (size_t)R * I + sizeof(float) * (size_t)R);
     if (!xq)
         return 1;
     float* xs = (float*)(xq + 2 * (size_t)R * I);  /* R * I is a multiple of 4: the steps are aligned */
     for (int r = 0; r < R; r++) {
         const uint16_t* xr = x + (size_t)r * I;
-        uint8_t *hi = xq + 2 * (size_t)r * I, *lo = hi + I;
+        int8_t *hi = xq + 2 * (size_t)r * I, *lo = hi + I;
         float most = 0.0f;
         for (int i = 0; i < I; i++) {
             float v = fabsf(bf16_to_float(xr[i]));
@@ -567,8 +625,8 @@ int i8_rows(const uint16_t* x, const int8_t* wq, const float* w_scales, const in
         for (int i = 0; i < I; i++) {
             float v = bf16_to_float(xr[i]) * inv;
             float whole = rintf(v);
-            hi[i] = (uint8_t)(128 + (int)whole);
-            lo[i] = (uint8_t)(128 + (int)rintf((v - whole) * 254.0f));
+            hi[i] = (int8_t)whole;
+            lo[i] = (int8_t)rintf((v - whole) * 254.0f);
         }
     }
     int blocks = O / 32;
@@ -582,19 +640,3 @@ int i8_rows(const uint16_t* x, const int8_t* wq, const float* w_scales, const in
     free(xq);
     return 0;
 }
-#else
-int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, long kv_row, long kv_head,
-                   const void* mask, int mask_bf16, uint16_t* out, int B, int H, int G, int T, int K, int D, float scale,
-                   int threads) {
-    (void)kv_row; (void)kv_head; (void)q; (void)k; (void)v; (void)mask; (void)mask_bf16; (void)out; (void)B; (void)H; (void)G; (void)T; (void)K;
-    (void)D; (void)scale; (void)threads;
-    return -1; /* the AVX2 build has none: SDPA attends */
-}
-int i8_available(void) { return 0; }
-
-int i8_rows(const uint16_t* x, const int8_t* wq, const float* w_scales, const int32_t* w_sums, const float* bias,
-            uint16_t* y, int R, int I, int O, int threads) {
-    (void)x; (void)wq; (void)w_scales; (void)w_sums; (void)bias; (void)y; (void)R; (void)I; (void)O; (void)threads;
-    return -1; /* the AVX2 build has none: torch's int8 product computes */
-}
-#endif
