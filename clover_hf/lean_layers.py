@@ -19,7 +19,7 @@ PACK_KEYS keys or more. Packed, attention rounds the same but for rare last bits
 in bf16), and bf16 decoding can drift from plain `generate`'s within 64 tokens. With `pack` in bf16, the
 layer's RMSNorms and its rotary embedding also run as one call each of `bf16_kernel` where it is built: a norm
 2.3 against 13.5 us, rounding as the module does but for rare last bits (2 outputs in 806,400); the rotary
-embedding bitwise torch's. So does attention where the AVX-512-BF16 build serves it (`bf16_kernel.attention`,
+embedding bitwise torch's. So does attention (`bf16_kernel.attention`,
 float32 scores and sums like SDPA's, in another order): whole-tree verify forwards of SmolLM2 took 10.4 against
 11.5 ms, one-token ones 8.5 against 8.9 (alternating call by call).
 

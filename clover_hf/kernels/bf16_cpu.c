@@ -1,5 +1,5 @@
 /* bf16 kernels for decoding on x86 CPUs, built by clover_hf/bf16_kernel.py: transformers' RMSNorm and rotary
- * embedding in one call each, the attention of a few query tokens (AVX-512-BF16 only), a product by int8 weights,
+ * embedding in one call each, the attention of a few query tokens, a product by int8 weights,
  * and y = x @ w.T (+ bias) for a few rows of bf16 x, each weight byte read once for
  * a block of rows, sums in float32, for one of two instruction sets:
  *   AVX-512-BF16 (-mavx512bf16): vdpbf16ps multiplies pairs of bf16 inputs, eight rows a block;
@@ -376,9 +376,12 @@ static void transpose_keys(const uint16_t* k, uint32_t* kt, int K, int D) {
 
 /* Attention of up to ATT_ROWS query rows (each D values, `q_at[r]`) over one key/value head: scores scale * q.k
  * plus the rows' additive mask (`mask_at[r]`, float32 or bf16, or none), softmax, the weighted values (float32
- * sums) into `o_at[r]`, rounded to bf16. `scores` holds n x 16 * blocks floats. */
+ * sums) into `o_at[r]`, rounded to bf16, from the keys laid out by `transpose_keys` (`kt`). `scores` holds
+ * SCRATCH(K, D) floats. */
 static void attend_rows(const uint16_t* const* q_at, const void* const* mask_at, int mask_bf16, uint16_t* const* o_at,
-                        int n, const uint32_t* kt, const uint16_t* v, int K, int D, float scale, float* scores) {
+                        int n, const uint16_t* k, const uint32_t* kt, const uint16_t* v, int K, int D, float scale,
+                        float* scores) {
+    (void)k;
     int pairs = D / 2, blocks = (K + 15) / 16, stride = 16 * blocks;
     __m512 scaled = _mm512_set1_ps(scale);
     for (int blk = 0; blk < blocks; blk++) {
@@ -436,55 +439,10 @@ static void attend_rows(const uint16_t* const* q_at, const void* const* mask_at,
     }
 }
 
-/* out (B, T, H, D) = softmax(scale * q k^T + mask) v for queries q (B, H, T, D) and keys and values k, v
- * (B, G, K, D), each key/value head serving H / G query heads; mask (B, 1, T, K) additive, float32 (mask_bf16 0)
- * or bf16 (1), or NULL (every key seen). D a multiple of 32, at most 256. A head's keys (values) are K rows of D
- * values one after another; heads lie kv_head values apart and batch rows kv_row apart (views of a larger cache).
- * Returns 1 where memory ran out. */
-int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, long kv_row, long kv_head,
-                   const void* mask, int mask_bf16, uint16_t* out, int B, int H, int G, int T, int K, int D, float scale,
-                   int threads) {
-    int group = H / G, pairs = D / 2, blocks = (K + 15) / 16, rows = group * T;
-    int chunks = (rows + ATT_ROWS - 1) / ATT_ROWS;
-    size_t per_head = (size_t)blocks * pairs * 16;
-    uint32_t* kt = malloc(sizeof(uint32_t) * per_head * B * G);
-    if (!kt)
-        return 1;
-    int failed = 0;
-    #pragma omp parallel num_threads(threads > 0 ? threads : 1)
-    {
-        #pragma omp for schedule(static)
-        for (int bg = 0; bg < B * G; bg++)
-            transpose_keys(k + (size_t)(bg / G) * kv_row + (size_t)(bg % G) * kv_head, kt + (size_t)bg * per_head, K, D);
-        float* scores = malloc(sizeof(float) * ATT_ROWS * 16 * (size_t)blocks);
-        if (!scores) {
-            #pragma omp atomic write
-            failed = 1;
-        }
-        #pragma omp for schedule(dynamic)
-        for (int item = 0; item < B * G * chunks; item++) {
-            if (!scores)
-                continue;
-            int bg = item / chunks, r0 = (item % chunks) * ATT_ROWS, b = bg / G, g = bg % G;
-            int n = rows - r0 < ATT_ROWS ? rows - r0 : ATT_ROWS;
-            const uint16_t* q_at[ATT_ROWS];
-            const void* mask_at[ATT_ROWS];
-            uint16_t* o_at[ATT_ROWS];
-            for (int i = 0; i < n; i++) {
-                int h = g * group + (r0 + i) / T, t = (r0 + i) % T;
-                q_at[i] = q + (((size_t)b * H + h) * T + t) * D;
-                size_t m = ((size_t)b * T + t) * K;
-                mask_at[i] = !mask ? 0 : mask_bf16 ? (const void*)((const uint16_t*)mask + m) : (const void*)((const float*)mask + m);
-                o_at[i] = out + (((size_t)b * T + t) * H + h) * D;
-            }
-            attend_rows(q_at, mask_at, mask_bf16, o_at, n, kt + (size_t)bg * per_head,
-                        v + (size_t)b * kv_row + (size_t)g * kv_head, K, D, scale, scores);
-        }
-        free(scores);
-    }
-    free(kt);
-    return failed;
-}
+/* uint32s of one head's keys as `attend_rows` reads them, and floats of scratch a thread needs */
+#define KEY_LAYOUT(K, D) ((size_t)(((K) + 15) / 16) * ((D) / 2) * 16)
+#define SCRATCH(K, D) ((size_t)ATT_ROWS * 16 * (((K) + 15) / 16))
+#define lay_out_keys transpose_keys
 
 /* VNNI's vpdpbusd adds four products of unsigned by signed bytes: both parts of x are shifted by 128 and 128 * (the
  * column's weight sum, `w_sums`) taken off, which leaves the same int32 sums as the AVX2 build's */
@@ -542,13 +500,113 @@ static void i8_tiles(const int8_t* xq, const float* xs, const int8_t* wq, const 
 }
 
 #else
-int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, long kv_row, long kv_head,
-                   const void* mask, int mask_bf16, uint16_t* out, int B, int H, int G, int T, int K, int D, float scale,
-                   int threads) {
-    (void)kv_row; (void)kv_head; (void)q; (void)k; (void)v; (void)mask; (void)mask_bf16; (void)out; (void)B; (void)H; (void)G; (void)T; (void)K;
-    (void)D; (void)scale; (void)threads;
-    return -1; /* the AVX2 build has none: SDPA attends */
+#define ATT_ROWS 8 /* query rows (of one key/value head) one pass attends */
+
+/* 8 bf16 values widened to float32 */
+static inline __m256 bf16x8_in(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
+
+/* e^x for x <= 0, float32, as the AVX-512 build's `exp_neg` (2^n put into the exponent's bits) */
+static inline __m256 exp_neg(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+/* the sums of each of 8 vectors, as one vector */
+static inline __m256 sums8(const __m256* a) {
+    __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+/* AVX2 has no bf16 products: queries and each block of 8 keys are widened to float32 once (the keys into `scratch`),
+ * each score a float32 dot product; otherwise as the AVX-512 build's. `scratch` holds SCRATCH(K, D) floats. */
+static void attend_rows(const uint16_t* const* q_at, const void* const* mask_at, int mask_bf16, uint16_t* const* o_at,
+                        int n, const uint16_t* k, const uint32_t* kt, const uint16_t* v, int K, int D, float scale,
+                        float* scratch) {
+    (void)kt;
+    int blocks = (K + 7) / 8, stride = 8 * blocks;
+    float *scores = scratch, *qf = scores + (size_t)ATT_ROWS * stride, *kf = qf + (size_t)ATT_ROWS * D;
+    for (int r = 0; r < n; r++)
+        for (int d = 0; d < D; d += 8)
+            _mm256_storeu_ps(qf + (size_t)r * D + d, bf16x8_in(q_at[r] + d));
+    __m256 scaled = _mm256_set1_ps(scale), lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int blk = 0; blk < blocks; blk++) {
+        int live = K - 8 * blk < 8 ? K - 8 * blk : 8;
+        for (int j = 0; j < live; j++)
+            for (int d = 0; d < D; d += 8)
+                _mm256_storeu_ps(kf + (size_t)j * D + d, bf16x8_in(k + (size_t)(8 * blk + j) * D + d));
+        __m256 dead = _mm256_cmp_ps(lanes, _mm256_set1_ps((float)live), _CMP_GE_OQ);
+        for (int r = 0; r < n; r++) {
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++)
+                acc[j] = _mm256_setzero_ps();
+            for (int d = 0; d < D; d += 8) {
+                __m256 qv = _mm256_loadu_ps(qf + (size_t)r * D + d);
+                for (int j = 0; j < live; j++)
+                    acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + (size_t)j * D + d), acc[j]);
+            }
+            __m256 s = _mm256_mul_ps(sums8(acc), scaled);
+            if (mask_at[r]) {
+                float m[8] = {0};
+                for (int j = 0; j < live; j++)
+                    m[j] = mask_bf16 ? bf16_to_float(((const uint16_t*)mask_at[r])[8 * blk + j])
+                                     : ((const float*)mask_at[r])[8 * blk + j];
+                s = _mm256_add_ps(s, _mm256_loadu_ps(m));
+            }
+            _mm256_storeu_ps(scores + (size_t)r * stride + 8 * blk, _mm256_blendv_ps(s, _mm256_set1_ps(-INFINITY), dead));
+        }
+    }
+    float inv[ATT_ROWS];
+    for (int r = 0; r < n; r++) {
+        float* s = scores + (size_t)r * stride;
+        float most = -INFINITY, sum = 0.0f;
+        for (int j = 0; j < stride; j++)
+            most = s[j] > most ? s[j] : most;
+        __m256 top = _mm256_set1_ps(most), total = _mm256_setzero_ps();
+        for (int j = 0; j < stride; j += 8) {
+            __m256 x = _mm256_loadu_ps(s + j);
+            __m256 e = _mm256_blendv_ps(exp_neg(_mm256_sub_ps(x, top)), _mm256_setzero_ps(),
+                                        _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
+            _mm256_storeu_ps(s + j, e);
+            total = _mm256_add_ps(total, e);
+        }
+        float t[8];
+        _mm256_storeu_ps(t, total);
+        for (int j = 0; j < 8; j++)
+            sum += t[j];
+        inv[r] = 1.0f / sum;
+    }
+    for (int d = 0; d < D; d += 8) {
+        __m256 acc[ATT_ROWS];
+        for (int r = 0; r < n; r++)
+            acc[r] = _mm256_setzero_ps();
+        for (int j = 0; j < K; j++) {
+            __m256 vj = bf16x8_in(v + (size_t)j * D + d);
+            for (int r = 0; r < n; r++)
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scores[(size_t)r * stride + j]), vj, acc[r]);
+        }
+        for (int r = 0; r < n; r++)
+            _mm_storeu_si128((__m128i*)(o_at[r] + d), bf16x8(_mm256_mul_ps(acc[r], _mm256_set1_ps(inv[r]))));
+    }
+}
+
+#define KEY_LAYOUT(K, D) ((size_t)0)  /* the keys are read as they lie */
+#define SCRATCH(K, D) ((size_t)ATT_ROWS * 8 * (((K) + 7) / 8) + (size_t)(ATT_ROWS + 8) * (D))
+static void lay_out_keys(const uint16_t* k, uint32_t* kt, int K, int D) { (void)k; (void)kt; (void)K; (void)D; }
+
 /* AVX2 has no byte products of four: vpmaddubsw multiplies unsigned by signed bytes in pairs into int16, so each x
  * part goes in as its magnitude and its sign moves onto the weight (|x| w sign(x): at most 2 * 127 * 127, short of
  * int16's limit), and vpmaddwd adds the pairs into int32: the same sums as VNNI's. One row a pass over a tile (eight
@@ -597,6 +655,59 @@ static void i8_tiles(const int8_t* xq, const float* xs, const int8_t* wq, const 
     }
 }
 #endif
+
+/* out (B, T, H, D) = softmax(scale * q k^T + mask) v for queries q (B, H, T, D) and keys and values k, v
+ * (B, G, K, D), each key/value head serving H / G query heads; mask (B, 1, T, K) additive, float32 (mask_bf16 0)
+ * or bf16 (1), or NULL (every key seen). D a multiple of 32, at most 256. A head's keys (values) are K rows of D
+ * values one after another; heads lie kv_head values apart and batch rows kv_row apart (views of a larger cache).
+ * Returns 1 where memory ran out. */
+int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, long kv_row, long kv_head,
+                   const void* mask, int mask_bf16, uint16_t* out, int B, int H, int G, int T, int K, int D, float scale,
+                   int threads) {
+    int group = H / G, rows = group * T;
+    int chunks = (rows + ATT_ROWS - 1) / ATT_ROWS;
+    size_t per_head = KEY_LAYOUT(K, D);
+    uint32_t* kt = per_head ? malloc(sizeof(uint32_t) * per_head * B * G) : NULL;
+    if (per_head && !kt)
+        return 1;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+        if (per_head) {
+            #pragma omp for schedule(static)
+            for (int bg = 0; bg < B * G; bg++)
+                lay_out_keys(k + (size_t)(bg / G) * kv_row + (size_t)(bg % G) * kv_head, kt + (size_t)bg * per_head, K, D);
+        }
+        float* scores = malloc(sizeof(float) * SCRATCH(K, D));
+        if (!scores) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic)
+        for (int item = 0; item < B * G * chunks; item++) {
+            if (!scores)
+                continue;
+            int bg = item / chunks, r0 = (item % chunks) * ATT_ROWS, b = bg / G, g = bg % G;
+            int n = rows - r0 < ATT_ROWS ? rows - r0 : ATT_ROWS;
+            const uint16_t* q_at[ATT_ROWS];
+            const void* mask_at[ATT_ROWS];
+            uint16_t* o_at[ATT_ROWS];
+            for (int i = 0; i < n; i++) {
+                int h = g * group + (r0 + i) / T, t = (r0 + i) % T;
+                q_at[i] = q + (((size_t)b * H + h) * T + t) * D;
+                size_t m = ((size_t)b * T + t) * K;
+                mask_at[i] = !mask ? 0 : mask_bf16 ? (const void*)((const uint16_t*)mask + m) : (const void*)((const float*)mask + m);
+                o_at[i] = out + (((size_t)b * T + t) * H + h) * D;
+            }
+            attend_rows(q_at, mask_at, mask_bf16, o_at, n, k + (size_t)b * kv_row + (size_t)g * kv_head,
+                        kt ? kt + (size_t)bg * per_head : NULL, v + (size_t)b * kv_row + (size_t)g * kv_head, K, D,
+                        scale, scores);
+        }
+        free(scores);
+    }
+    free(kt);
+    return failed;
+}
 
 /* int8 products for drafting, where the rows only rank tokens: y (R x O) = x (R x I) @ w.T with int8 weights, one
  * float32 scale a row of w (`w_scales`). Each row of x, over its step s (its largest magnitude / 127), is split in
