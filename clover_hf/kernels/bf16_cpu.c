@@ -531,6 +531,25 @@ static inline __m256 sums8(const __m256* a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
 
+/* o_at[r] = the values weighted by R rows of scores (those past n zeros), times inv[r], for r < n; R a constant
+ * (4 or 8) where this is inlined, so that its sums stay in registers */
+static inline __attribute__((always_inline)) void weigh_values(int R, const float* scores, int stride, const float* inv,
+                                                               uint16_t* const* o_at, int n, const uint16_t* v, int K,
+                                                               int D) {
+    for (int d = 0; d < D; d += 8) {
+        __m256 acc[8];
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_setzero_ps();
+        for (int j = 0; j < K; j++) {
+            __m256 vj = bf16x8_in(v + (size_t)j * D + d);
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(scores + (size_t)r * stride + j), vj, acc[r]);
+        }
+        for (int r = 0; r < n; r++)
+            _mm_storeu_si128((__m128i*)(o_at[r] + d), bf16x8(_mm256_mul_ps(acc[r], _mm256_set1_ps(inv[r]))));
+    }
+}
+
 /* AVX2 has no bf16 products: queries and each block of 8 keys are widened to float32 once (the keys into `scratch`),
  * each score a float32 dot product; otherwise as the AVX-512 build's. `scratch` holds SCRATCH(K, D) floats. */
 static void attend_rows(const uint16_t* const* q_at, const void* const* mask_at, int mask_bf16, uint16_t* const* o_at,
@@ -548,6 +567,8 @@ static void attend_rows(const uint16_t* const* q_at, const void* const* mask_at,
         for (int j = 0; j < live; j++)
             for (int d = 0; d < D; d += 8)
                 _mm256_storeu_ps(kf + (size_t)j * D + d, bf16x8_in(k + (size_t)(8 * blk + j) * D + d));
+        if (live < 8)  /* a last block's missing keys are zeros: each row's 8 sums then stay in registers */
+            memset(kf + (size_t)live * D, 0, sizeof(float) * (size_t)(8 - live) * D);
         __m256 dead = _mm256_cmp_ps(lanes, _mm256_set1_ps((float)live), _CMP_GE_OQ);
         for (int r = 0; r < n; r++) {
             __m256 acc[8];
@@ -555,11 +576,14 @@ static void attend_rows(const uint16_t* const* q_at, const void* const* mask_at,
                 acc[j] = _mm256_setzero_ps();
             for (int d = 0; d < D; d += 8) {
                 __m256 qv = _mm256_loadu_ps(qf + (size_t)r * D + d);
-                for (int j = 0; j < live; j++)
+                for (int j = 0; j < 8; j++)
                     acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + (size_t)j * D + d), acc[j]);
             }
             __m256 s = _mm256_mul_ps(sums8(acc), scaled);
-            if (mask_at[r]) {
+            if (mask_at[r] && live == 8) {
+                s = _mm256_add_ps(s, mask_bf16 ? bf16x8_in((const uint16_t*)mask_at[r] + 8 * blk)
+                                               : _mm256_loadu_ps((const float*)mask_at[r] + 8 * blk));
+            } else if (mask_at[r]) {
                 float m[8] = {0};
                 for (int j = 0; j < live; j++)
                     m[j] = mask_bf16 ? bf16_to_float(((const uint16_t*)mask_at[r])[8 * blk + j])
@@ -589,18 +613,12 @@ static void attend_rows(const uint16_t* const* q_at, const void* const* mask_at,
             sum += t[j];
         inv[r] = 1.0f / sum;
     }
-    for (int d = 0; d < D; d += 8) {
-        __m256 acc[ATT_ROWS];
-        for (int r = 0; r < n; r++)
-            acc[r] = _mm256_setzero_ps();
-        for (int j = 0; j < K; j++) {
-            __m256 vj = bf16x8_in(v + (size_t)j * D + d);
-            for (int r = 0; r < n; r++)
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scores[(size_t)r * stride + j]), vj, acc[r]);
-        }
-        for (int r = 0; r < n; r++)
-            _mm_storeu_si128((__m128i*)(o_at[r] + d), bf16x8(_mm256_mul_ps(acc[r], _mm256_set1_ps(inv[r]))));
-    }
+    for (int r = n; r < (n > 4 ? 8 : 4); r++)  /* rows past n weigh nothing: a fixed count of sums in registers */
+        memset(scores + (size_t)r * stride, 0, sizeof(float) * (size_t)stride);
+    if (n > 4)
+        weigh_values(8, scores, stride, inv, o_at, n, v, K, D);
+    else
+        weigh_values(4, scores, stride, inv, o_at, n, v, K, D);
 }
 
 #define KEY_LAYOUT(K, D) ((size_t)0)  /* the keys are read as they lie */
