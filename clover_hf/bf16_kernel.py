@@ -352,10 +352,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     each key/value head serving H / G query heads, as (B, T, H, D): for the few query tokens of a verify forward,
     where SDPA's CPU kernel took 23 us a layer at one token and 67 at eight over ~150 keys (SmolLM2, AVX-512-bf16
     EPYC; on the AVX2-only EPYC 20 / 41 / 68 us at 1 / 4 / 8 tokens over 200 keys against 143 / 64 / 79, and
-    drafted steps, alternating calls with SDPA, ran 63.5 against 57.8 tokens/s). Scores, softmax and the weighted sum of values are float32, rounded to bf16 once at the
-    end. `mask`: additive, (B, 1, T, K), bf16 or float32; None where every query sees every key. None where the
-    inputs are not of that form, or no kernel is loaded. Keys and values are read as they lie where each
-    head's slots follow one another (a growing cache's views of its stores), else from contiguous copies."""
+    drafted steps, alternating calls with SDPA, ran 63.5 against 57.8 tokens/s). Scores, softmax and the weighted
+    sum of values are float32, rounded to bf16 once at the end. `mask`: additive, (B, 1, T, K), bf16 or float32;
+    None where every query sees every key. None where the inputs are not of that form, or no kernel is loaded. Keys
+    and values are read as they lie where each head's slots follow one another (a growing cache's views of its
+    stores), else from contiguous copies."""
     batch, heads, tokens, dim = query.shape
     kv, bf16 = key.shape, torch.bfloat16
     if not (len(kv) == 4 and kv == value.shape and kv[0] == batch and kv[3] == dim and heads % kv[1] == 0
