@@ -176,7 +176,7 @@ class CostModel:
         The form trials time products one by one, and on the AVX-512-bf16 EPYC in float32 they settled 2 and 4
         rows on W @ x.T while verify forwards of 2-6 tokens took 28.9-40.9 ms against 28.4 for 8 in oneDNN's
         blocked layout; one bf16 run settled one row on ATen's kernel, 13.5 ms a token against 11.6 for two in the
-        kernel's tiled copies. Returns the row counts switched; none while forms are pending."""
+        kernel's tiled copies. Returns the row counts switched; none while a verify forward's form is pending."""
         kept = copy_form(self.forms or {})
         curve = self.ms.get(1)
         if kept is None or self.verify_pending() or not curve:

@@ -759,6 +759,9 @@ def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: Weight
             if entry is not None:
                 stacked |= dict.fromkeys((id(m) for m in group), _Stacked(group, *entry, copies.apart))
     made = {} if copies is None or kind is None else {id(m): copies.get(m, kind) for m in layers if id(m) not in stacked}
+    # trials ready as the block starts stay so, and leave the verify forwards' row counts to the forms: only a
+    # prefill's may still be theirs to learn (asking them took ~1 us a product)
+    verify_settled = trials is None or trials.ready()
 
     def product(m: nn.Linear, form: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """How `m` computes in `form` in this block."""
@@ -774,7 +777,7 @@ def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: Weight
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             rows = x.numel() // x.shape[-1] if x.dim() >= 2 else 1
-            if trials is not None and trials.handles(rows):
+            if trials is not None and (rows > PACK_ROWS or not verify_settled) and trials.handles(rows):
                 return trials.product(m, x, rows)
             compute = by_rows.get(rows)
             if compute is None:

@@ -186,6 +186,12 @@ def test_a_prefill_learns_its_row_count_once_the_verify_forms_are_ready(monkeypa
     assert not done and row_bucket(prefill) in trials.pending  # F.linear, untimed (outside the trials)
     trials.pending -= {n for n in range(PACK_ROWS + 1)}  # the verify forms settled (on F.linear: no copies)
     assert trials.ready()
+    asked = []
+    real_handles = trials.handles
+    monkeypatch.setattr(trials, "handles", lambda rows: asked.append(rows) or real_handles(rows))
+    with linear_forms([model], trials.forms, None, trials):
+        forward_rows(model, 4)  # a verify forward: the forms compute it, the trials are not even asked
+    assert not asked and not done
     calls = 0
     while row_bucket(prefill) in trials.pending:
         calls += 1
