@@ -22,6 +22,7 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList, MaxLengthCriteria, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from . import bf16_kernel
 from .budget import DraftBudget, cost_key
 from .cache import OUTPUT_CACHE_FIELD, given_cache, is_static, static_cache, to_normal_tensors
 from .choosing import StepBudget
@@ -405,7 +406,8 @@ def _accept_rows(rows: list[Row], drafts: list[Draft], logits: torch.Tensor, log
             uniforms = torch.rand(n, device=tokens.device)
             nodes, bonus = accept_sampled(tokens, scores.softmax(-1), tree, uniforms)
         else:
-            nodes, bonus = accept_greedy(tokens, scores.argmax(-1), tree)
+            targets = bf16_kernel.argmax(scores)
+            nodes, bonus = accept_greedy(tokens, scores.argmax(-1) if targets is None else targets, tree)
         stats.accepted_lengths.append(nodes.shape[0] - 1)
         stats.verified_tokens += n
         if budget is not None:

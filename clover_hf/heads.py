@@ -288,6 +288,16 @@ class DraftLMHead:
         return cls(rows, bias, scales, kernel=kernel)
 
 
+def top_probabilities(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k likeliest tokens of each row of `logits` (N, V) and their probabilities (float32), likeliest first:
+    softmax then topk, or `bf16_kernel.top_probs` in one call where it serves."""
+    fast = bf16_kernel.top_probs(logits, k) if logits.dim() == 2 else None
+    if fast is not None:
+        return fast
+    top = logits.float().softmax(-1).topk(k, dim=-1)
+    return top.values, top.indices
+
+
 def _watch(t: torch.Tensor | None) -> tuple | None:
     """What identifies a tensor's contents for a cache: the tensor (weakly), its storage and in-place version."""
     if t is None:
@@ -456,11 +466,11 @@ class CloverHeads(DraftHeads):
         for d, level in enumerate(tree.levels):
             if d > 0:
                 states = self.regressive(states[level.parent_of_expanded], e)
-            top = lm_head(self._head(d, states, e)).float().softmax(-1).topk(level.k, dim=-1)  # (n_expanded, k)
-            ids = top.indices if self.draft_token_ids is None else self.draft_token_ids[top.indices]
+            top_p, top = top_probabilities(lm_head(self._head(d, states, e)), level.k)  # (n_expanded, k)
+            ids = top if self.draft_token_ids is None else self.draft_token_ids[top]
             children = ids[level.child_parent, level.child_rank]  # (n_level,)
             drafted.append(children)
-            probs.append(top.values[level.child_parent, level.child_rank])
+            probs.append(top_p[level.child_parent, level.child_rank])
             if level.next_expanded is not None:
                 e = embed(children[level.next_expanded]).to(states.dtype)
         return torch.cat(drafted), torch.cat(probs)

@@ -347,6 +347,7 @@ class WeightCopies:
         for unit in units:
             if len(unit) == 1:
                 self._fused.pop(unit[0], None)
+                self.stacked.discard(unit[0])
         self.prepare_fused([u for u in units if len(u) > 1], form)
         self.prepare([m for u in units if len(u) == 1 or self.get_fused(u, form) is None for m in u], form)
 
@@ -752,8 +753,12 @@ def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: Weight
     stacked: dict[int, _Stacked] = {}
     if copies is not None and kind is not None:
         units = _units(models, copies.apart)
-        if trials is None:  # else the trials make them, as the call can afford them
+        if trials is None:
             copies.prepare_units(units, kind)
+        else:  # the trials make them as the call can afford them, but the layers of a group seen taking other
+            # inputs get their own now (else they computed without copies while trials lived: Clover's input
+            # decoder's q/k/v in F.linear, 0.27 ms a drafting step on the AVX2-only EPYC); a few small layers
+            copies.prepare_units([(m,) for g in shared_input_groups(models) if g[0] in copies.apart for m in g], kind)
         for group in (u for u in units if len(u) > 1):
             entry = copies.get_fused(group, kind)
             if entry is not None:

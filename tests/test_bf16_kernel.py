@@ -553,3 +553,48 @@ def test_the_int8_product_is_left_out_where_the_shape_is_not_one_it_takes(built,
         assert bf16_kernel.int8_product(rows[:48], scales[:48], None) is None
         assert bf16_kernel.int8_product(rows[:, :14], scales, None) is None
         assert bf16_kernel.int8_product(rows.float(), scales, None) is None
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_the_kernels_argmax_picks_the_indices_torch_picks(isa, built, monkeypatch):
+    """Ties (the first largest), NaN (the first NaN), infinities, signed zeros, every row -inf, rows of every length
+    around the kernel's 32-value steps, and rows at a stride (a verify forward's first nodes): torch's indices."""
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    torch.manual_seed(0)
+    for trial in range(600):
+        rows, width = trial % 5 + 1, trial % 97 + 1 + 32 * (trial % 3)
+        x = torch.randn(rows, width)
+        kind = trial % 6
+        if kind == 1:
+            x = x.round()
+        elif kind == 2:
+            x[x > 1] = float("nan")
+        elif kind == 3:
+            x[:] = float("-inf")
+        elif kind == 4:
+            x[x > 0.5] = float("inf")
+        elif kind == 5:
+            x = torch.where(x > 0, 0.0, -0.0)
+        assert torch.equal(bf16_kernel.argmax(x), x.argmax(-1)), (kind, x)
+    logits = torch.randn(8, 49152)
+    assert torch.equal(bf16_kernel.argmax(logits[:3]), logits[:3].argmax(-1))
+    assert bf16_kernel.argmax(logits.bfloat16()) is None and bf16_kernel.argmax(logits.T) is None
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_the_kernels_top_probabilities_are_softmax_then_topk(isa, built, monkeypatch):
+    """The k likeliest of each row and their softmax probabilities, as torch's softmax and topk give them (to float32
+    summation); of equal logits the first ranks first; what it does not take is left to torch."""
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    torch.manual_seed(0)
+    for trial in range(300):
+        rows, width = trial % 4 + 1, (1, 7, 8, 9, 100, 8192)[trial % 6]
+        k = min((1, 3, 5, 10)[trial % 4], width)
+        logits = (torch.randn(rows, width) * 3).bfloat16()
+        probs, indices = bf16_kernel.top_probs(logits, k)
+        full = logits.float().softmax(-1)
+        torch.testing.assert_close(probs, full.gather(1, indices), rtol=1e-5, atol=1e-7)
+        assert torch.equal(full.topk(k, dim=-1).values, full.gather(1, indices))  # the k largest, largest first
+    ties = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]]).bfloat16()
+    assert bf16_kernel.top_probs(ties, 3)[1].tolist() == [[1, 2, 4]]
+    assert bf16_kernel.top_probs(ties.float(), 3) is None and bf16_kernel.top_probs(ties, 6) is None

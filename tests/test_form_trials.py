@@ -551,3 +551,46 @@ def test_one_row_still_pending_once_the_copies_are_made_is_learnt_from_one_token
             if 1 not in trials.pending:
                 break
     assert 1 not in trials.pending and not trials.one_token_steps()
+
+
+def test_a_group_seen_taking_other_inputs_gets_its_own_copies_while_trials_live(monkeypatch):
+    """Clover's attention decoders name q/k/v like a decoder layer's but read their keys from other states: once
+    seen apart, the next call gives the group's layers their own copies, though trials still live (a prefill's row
+    count pending) and would make copies only as the call can afford them; before, those layers computed without
+    a copy (F.linear) for as long as the trials lived."""
+
+    class Cross(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(8, 4) for _ in range(3))
+
+        def forward(self, x, states):
+            return torch.cat([self.q_proj(x), self.k_proj(states), self.v_proj(states)], dim=-1)
+
+    torch.manual_seed(0)
+    model, x, states = Cross(), torch.randn(2, 8), torch.randn(2, 8)
+    ref = model(x, states)
+    group = (model.q_proj, model.k_proj, model.v_proj)
+    copies = WeightCopies(limit=10**9)
+    trials = FormTrials([model], copies, plain_row_s=0.050, clock=FakeClock(lambda rows, form: 0.0))
+    kind = trials.copy_kind
+    if kind is None:
+        pytest.skip("no weight copies on this machine")
+    trials.pending -= {n for n in range(PACK_ROWS + 1)}  # the verify forms settled on copies; a prefill's pending
+    trials.forms.update({n: kind for n in (1, 2, 4, 8, 16)})
+    copies.prepare_units(trials.units, kind)
+    trials.next_call()
+    with linear_forms([model], trials.forms, copies, trials):
+        assert copies.get_fused(group, kind) is not None
+        assert torch.allclose(model(x, states), ref, atol=1e-2)
+    assert model.q_proj in copies.apart and trials.pending
+    bound = []  # each layer's product as the block binds it: (form, from a copy)
+    real = linears.form_product
+    monkeypatch.setattr(linears, "form_product", lambda form, weight, bias, copy=None: bound.append(
+        (form, copy is not None)) or real(form, weight, bias, copy))
+    trials.next_call()
+    with linear_forms([model], trials.forms, copies, trials):
+        assert copies.get_fused(group, kind) is None and not copies.stacked
+        assert all(copies.get(m, kind) is not None for m in group)
+        assert torch.allclose(model(x, states), ref, atol=1e-2)
+    assert trials.pending and bound == [(kind, True)] * 3

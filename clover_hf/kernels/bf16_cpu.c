@@ -205,6 +205,33 @@ static uint16_t float_to_bf16(float f) {
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+/* a * b + c and c - a * b, eight at a time: fused where the build has FMA (the AVX-512 one is built without) */
+#if defined(__FMA__)
+#define FMA8(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define FNMA8(a, b, c) _mm256_fnmadd_ps(a, b, c)
+#else
+#define FMA8(a, b, c) _mm256_add_ps(_mm256_mul_ps(a, b), c)
+#define FNMA8(a, b, c) _mm256_sub_ps(c, _mm256_mul_ps(a, b))
+#endif
+
+/* e^x for x <= 0, float32, eight at a time, as the AVX-512 build's `exp_neg` (2^n put into the exponent's bits):
+ * both builds run AVX2 */
+static inline __m256 exp_neg8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = FNMA8(n, _mm256_set1_ps(0.693145752f), x);
+    r = FNMA8(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = FMA8(p, r, _mm256_set1_ps(1.0f / 120));
+    p = FMA8(p, r, _mm256_set1_ps(1.0f / 24));
+    p = FMA8(p, r, _mm256_set1_ps(1.0f / 6));
+    p = FMA8(p, r, _mm256_set1_ps(0.5f));
+    p = FMA8(p, r, _mm256_set1_ps(1.0f));
+    p = FMA8(p, r, _mm256_set1_ps(1.0f));
+    __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
 /* y = w * bf16(x * rsqrt(mean(x^2) + eps)) for each of R rows of D: transformers' Llama RMSNorm in bf16
  * (sums of squares in float32, sixteen partial sums, so in another order than torch's). */
 void bf16_rms_norm(const uint16_t* x, const uint16_t* w, uint16_t* y, int R, int D, float eps) {
@@ -507,23 +534,6 @@ static inline __m256 bf16x8_in(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
 
-/* e^x for x <= 0, float32, as the AVX-512 build's `exp_neg` (2^n put into the exponent's bits) */
-static inline __m256 exp_neg(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
-
 /* the sums of each of 8 vectors, as one vector */
 static inline __m256 sums8(const __m256* a) {
     __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -602,7 +612,7 @@ static void attend_rows(const uint16_t* const* q_at, const void* const* mask_at,
         __m256 top = _mm256_set1_ps(most), total = _mm256_setzero_ps();
         for (int j = 0; j < stride; j += 8) {
             __m256 x = _mm256_loadu_ps(s + j);
-            __m256 e = _mm256_blendv_ps(exp_neg(_mm256_sub_ps(x, top)), _mm256_setzero_ps(),
+            __m256 e = _mm256_blendv_ps(exp_neg8(_mm256_sub_ps(x, top)), _mm256_setzero_ps(),
                                         _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
             _mm256_storeu_ps(s + j, e);
             total = _mm256_add_ps(total, e);
@@ -768,4 +778,107 @@ int i8_rows(const uint16_t* x, const int8_t* wq, const float* w_scales, const in
     }
     free(xq);
     return 0;
+}
+
+/* the first index of the largest of n float32s, a NaN counting as the largest (its first one): as torch's argmax.
+ * Two passes, the second over what the first left in cache: torch's took 52 us a row of 49152 logits on the
+ * AVX2-only EPYC, one value at a time. */
+static int64_t argmax_row(const float* x, int n) {
+    int n8 = n & ~31;
+    __m256 top[4], nan = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++)
+        top[j] = _mm256_set1_ps(-INFINITY);
+    for (int i = 0; i < n8; i += 32)
+        for (int j = 0; j < 4; j++) {
+            __m256 v = _mm256_loadu_ps(x + i + 8 * j);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            top[j] = _mm256_max_ps(top[j], v);
+        }
+    float most[8], m = -INFINITY;
+    _mm256_storeu_ps(most, _mm256_max_ps(_mm256_max_ps(top[0], top[1]), _mm256_max_ps(top[2], top[3])));
+    for (int j = 0; j < 8; j++)
+        m = most[j] > m ? most[j] : m;
+    int any_nan = _mm256_movemask_ps(nan) != 0;
+    for (int i = n8; i < n; i++) {
+        any_nan |= x[i] != x[i];
+        m = x[i] > m ? x[i] : m;
+    }
+    if (any_nan) {
+        for (int i = 0; i < n; i++)
+            if (x[i] != x[i])
+                return i;
+    }
+    __m256 want = _mm256_set1_ps(m);
+    for (int i = 0; i < n8; i += 8) {
+        int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), want, _CMP_EQ_OQ));
+        if (hit)
+            return i + __builtin_ctz(hit);
+    }
+    for (int i = n8; i < n; i++)
+        if (x[i] == m)
+            return i;
+    return 0; /* every value -inf: the first, as torch */
+}
+
+/* out[r] = argmax of row r of R rows of n float32s, rows `stride` floats apart */
+void argmax_rows(const float* x, long stride, int R, int n, int64_t* out, int threads) {
+    #pragma omp parallel for num_threads(threads) if (threads > 1 && R > 1)
+    for (int r = 0; r < R; r++)
+        out[r] = argmax_row(x + (size_t)r * stride, n);
+}
+
+/* For each of R rows of n bf16 logits: its k (<= n) largest, largest first (of equal ones, the first), as indices
+ * and softmax probabilities exp(x - max) / sum(exp(x - max)) in float32 (sums in another order than torch's). What
+ * the heads draft at each level, in one call: torch's conversion, softmax and topk took ~85 us a level over 8192
+ * logits (AVX2-only EPYC). NaN logits are not ranked. */
+void top_probs(const uint16_t* x, int R, int n, int k, int64_t* idx, float* probs, int threads) {
+    #pragma omp parallel for num_threads(threads) if (threads > 1 && R > 1)
+    for (int r = 0; r < R; r++) {
+        const uint16_t* xr = x + (size_t)r * n;
+        float best[64] = {0};
+        int64_t* at = idx + (size_t)r * k;
+        int count = 0;
+        for (int i = 0; i < n; i++) {
+            if (count == k && (i & 7) == 0) { /* whole blocks of 8 with none above the k-th largest, skipped */
+                __m256 floor = _mm256_set1_ps(best[k - 1]);
+                while (i + 8 <= n && !_mm256_movemask_ps(_mm256_cmp_ps(_mm256_castsi256_ps(_mm256_slli_epi32(
+                           _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(xr + i))), 16)), floor, _CMP_GT_OQ)))
+                    i += 8;
+                if (i >= n)
+                    break;
+            }
+            float v = bf16_to_float(xr[i]);
+            if (count == k && !(v > best[k - 1]))
+                continue;
+            if (v != v)
+                v = -INFINITY; /* among the first k, ranked last; after them, never taken */
+            int j = count < k ? count++ : k - 1;
+            for (; j > 0 && v > best[j - 1]; j--) {
+                best[j] = best[j - 1];
+                at[j] = at[j - 1];
+            }
+            best[j] = v;
+            at[j] = i;
+        }
+        float top = best[0];
+        __m256 most = _mm256_set1_ps(top), sum = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 8 <= n; i += 8) {
+            __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                _mm_loadu_si128((const __m128i*)(xr + i))), 16));
+            __m256 e = exp_neg8(_mm256_sub_ps(v, most));
+            sum = _mm256_add_ps(sum, _mm256_andnot_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), e));
+        }
+        float part[8], total = 0.0f;
+        _mm256_storeu_ps(part, sum);
+        for (int j = 0; j < 8; j++)
+            total += part[j];
+        for (; i < n; i++) {
+            float v = bf16_to_float(xr[i]);
+            if (v == v)
+                total += expf(v - top);
+        }
+        for (int j = 0; j < k; j++)
+            probs[(size_t)r * k + j] = expf(best[j] - top) / total;
+    }
 }
