@@ -137,6 +137,9 @@ def load(isa: str, cache_dir: Path | None = None) -> ctypes.CDLL:
     lib.argmax_rows.restype = None
     lib.top_probs.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
     lib.top_probs.restype = None
+    lib.bf16_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                                  ctypes.c_int, ctypes.c_int]
+    lib.bf16_silu_mul.restype = None
     return lib
 
 
@@ -425,6 +428,42 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     if failed > 0:
         raise MemoryError("bf16_kernel: no memory for attention's scores")
     return None if failed else out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """`F.silu(gate) * up` of bf16 tensors of one shape on the CPU, as torch rounds it (silu rounded to bf16, then the
+    product) but for e^-x (within 2 ulp of torch's, so a last bit may differ), in one call: a SwiGLU MLP's
+    activation, read from the parts of a stacked gate/up product as they lie. None where the kernel is not loaded or
+    the inputs are not of that form."""
+    if (_library is None or gate.dtype is not torch.bfloat16 or up.dtype is not torch.bfloat16 or gate.shape != up.shape
+            or not gate.is_cpu or not up.is_cpu or gate.dim() == 0):
+        return None
+    g_row, u_row = _row_stride(gate), _row_stride(up)
+    if g_row is None or u_row is None:
+        return None
+    width = gate.shape[-1]
+    out = torch.empty(gate.shape, dtype=torch.bfloat16)
+    _library.bf16_silu_mul(gate.data_ptr(), g_row, up.data_ptr(), u_row, out.data_ptr(), gate.numel() // max(width, 1),
+                           width)
+    return out
+
+
+def _row_stride(t: torch.Tensor) -> int | None:
+    """The stride between the rows (last dimension) of `t` where they lie at one stride, each contiguous; else None."""
+    shape, stride = t.shape, t.stride()
+    if shape[-1] > 1 and stride[-1] != 1:
+        return None
+    row = None
+    for i in range(t.dim() - 2, -1, -1):  # inner to outer: each dimension of more than one a multiple of the next
+        if shape[i] == 1:
+            continue
+        if row is None:
+            row, span = stride[i], stride[i] * shape[i]
+        elif stride[i] != span:
+            return None
+        else:
+            span *= shape[i]
+    return shape[-1] if row is None else row
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:

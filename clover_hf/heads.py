@@ -140,7 +140,9 @@ class AugmentLayer(nn.Module):
         else:
             x = x + self.o_proj(self._attention(q, k, v, past, attn_mask).transpose(1, 2).reshape(B, T, -1))
         y = self.post_attention_layernorm(x)
-        x = x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
+        gate, up = self.gate_proj(y), self.up_proj(y)
+        mixed = bf16_kernel.silu_mul(gate, up) if kernel else None
+        x = x + self.down_proj(F.silu(gate) * up if mixed is None else mixed)
         return x, (k, v)
 
     def _kernel_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:

@@ -56,6 +56,9 @@ LEAN_MODULES: dict[str, Callable[[nn.Module], dict] | None] = {
 }
 # transformers' RMSNorms of these layers, all weight * bf16(x * rsqrt(mean(x^2) + eps)): `bf16_kernel.rms_norm`'s
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+# activations that compute F.silu (transformers' ACT2FN["silu"], torch's module): the MLP's act_fn(gate) * up in bf16
+# is `bf16_kernel.silu_mul`'s one call
+SILU = ("SiLUActivation", "SiLU")
 PACK_QUERIES, PACK_KEYS = 8, 1024  # a few query tokens attend packed (`pack`): this many at most, over this many keys
 TRIAL_TOKENS = 3  # tokens of the input a class's lean forward is checked on, once per process (`_checked`)
 
@@ -171,6 +174,7 @@ def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | Non
     q_norm, k_norm = _norm(getattr(attn, "q_norm", None), fused), _norm(getattr(attn, "k_norm", None), fused)
     kernel = fused and bf16_kernel.serves(layer.input_layernorm.weight)
     rope = bf16_kernel.rope if kernel else None
+    silu_mul = bf16_kernel.silu_mul if kernel and type(act_fn).__name__ in SILU else None
     module = sys.modules[type(layer).__module__]
     eager = module.eager_attention_forward
     window = LEAN_MODULES[type(layer).__module__]
@@ -221,7 +225,9 @@ def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | Non
         hidden_states = residual + o_proj.forward(out.reshape(*input_shape, -1).contiguous())
         residual = hidden_states
         hidden_states = norm_post(hidden_states)
-        hidden_states = down_proj.forward(act_fn(gate_proj.forward(hidden_states)) * up_proj.forward(hidden_states))
+        gate, up = gate_proj.forward(hidden_states), up_proj.forward(hidden_states)
+        mixed = silu_mul(gate, up) if silu_mul is not None else None
+        hidden_states = down_proj.forward(act_fn(gate) * up if mixed is None else mixed)
         return residual + hidden_states
 
     return forward

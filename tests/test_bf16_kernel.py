@@ -263,22 +263,25 @@ def test_the_fused_rms_norm_rounds_as_the_module_but_for_rare_last_bits(arch, is
 
 @needs_kernel
 def test_lean_layers_run_fused_norms_only_where_asked_in_bf16(monkeypatch):
-    """With `pack` (a call in Clover's forms) a bf16 model's decoder layers norm in one kernel call each; without
-    it, or in float32, they run the modules' own norms (bitwise plain decoding's)."""
+    """With `pack` (a call in Clover's forms) a bf16 model's decoder layers norm, and take their MLP's SiLU times
+    up, in one kernel call each; without it, or in float32, they run the modules' own (bitwise plain decoding's)."""
     from clover_hf.lean_layers import lean_layers
 
-    made = []
-    real = bf16_kernel.rms_norm
+    made, mixed = [], []
+    real, real_mix = bf16_kernel.rms_norm, bf16_kernel.silu_mul
     monkeypatch.setattr(bf16_kernel, "rms_norm", lambda w, eps, own: made.append(w.shape) or real(w, eps, own))
+    monkeypatch.setattr(bf16_kernel, "silu_mul", lambda gate, up: mixed.append(gate.shape) or real_mix(gate, up))
     ids = torch.randint(0, 256, (1, 9))
     for dtype, pack, fused in ((torch.bfloat16, True, 4), (torch.bfloat16, False, 0), (torch.float32, True, 0)):
         made.clear()
+        mixed.clear()
         model = tiny_model("llama", dtype=dtype)
         with torch.no_grad():
             want = model(ids).logits.float()
             with lean_layers(model, pack=pack) as count:
                 got = model(ids).logits.float()
         assert count == 2 and len(made) == fused  # two layers, two norms each
+        assert len(mixed) == fused // 2  # an MLP each
         if fused:
             assert torch.allclose(got, want, atol=0.05, rtol=0.05)
         else:
@@ -598,3 +601,24 @@ def test_the_kernels_top_probabilities_are_softmax_then_topk(isa, built, monkeyp
     ties = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]]).bfloat16()
     assert bf16_kernel.top_probs(ties, 3)[1].tolist() == [[1, 2, 4]]
     assert bf16_kernel.top_probs(ties.float(), 3) is None and bf16_kernel.top_probs(ties, 6) is None
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_the_fused_silu_times_up_is_bitwise_torchs_on_random_inputs(isa, built, monkeypatch):
+    """F.silu(gate) * up in bf16, read from the parts of a stacked gate/up product (rows at a stride) or contiguous:
+    bitwise torch's on random inputs at several scales, and where e^-x leaves float32's range (infinities, NaN,
+    -88.5); inputs not of that form are left to torch."""
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    torch.manual_seed(0)
+    for trial in range(40):
+        width = (1536, 64, 13)[trial % 3]
+        stacked = (torch.randn(2, trial % 5 + 1, 2 * width) * (1 + trial % 7)).bfloat16()
+        gate, up = stacked.split([width, width], dim=-1)
+        assert torch.equal(bf16_kernel.silu_mul(gate, up), F.silu(gate) * up)
+        assert torch.equal(bf16_kernel.silu_mul(gate.contiguous(), up), F.silu(gate) * up)
+    edges = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), -100.0, 100.0, 88.5, -88.5, 1e-40,
+                          -87.9, -89.0] * 2).bfloat16()[None]
+    ones = torch.ones_like(edges)
+    torch.testing.assert_close(bf16_kernel.silu_mul(edges, ones), F.silu(edges) * ones, rtol=0, atol=0, equal_nan=True)
+    square = torch.randn(4, 4).bfloat16()
+    assert bf16_kernel.silu_mul(square.T, square) is None and bf16_kernel.silu_mul(square.float(), square.float()) is None

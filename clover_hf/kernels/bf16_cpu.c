@@ -24,6 +24,17 @@
 #define AHEAD 1024 /* weight elements (2 KB) a non-temporal prefetch reads ahead of the products */
 #define READ_AHEAD(p) _mm_prefetch((const char*)(p) + 2 * AHEAD, _MM_HINT_NTA)
 
+/* 8 float32s rounded to bf16 (to nearest even, NaN kept quiet), as torch rounds: both builds run AVX2 */
+static __m128i bf16x8(__m256 f) {
+    __m256i b = _mm256_castps_si256(f);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+    __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(nan));
+    r = _mm256_srli_epi32(r, 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
 #if defined(__AVX512BF16__)
 
 #define BLOCK 8
@@ -132,15 +143,6 @@ static void tile##R(const xtype* x, const uint16_t* wt, int pairs, int I, float*
 }
 TILE(1) TILE(2) TILE(3) TILE(4)
 
-static __m128i bf16x8(__m256 f) {
-    __m256i b = _mm256_castps_si256(f);
-    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-    __m256 nan = _mm256_cmp_ps(f, f, _CMP_UNORD_Q);
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_castps_si256(nan));
-    r = _mm256_srli_epi32(r, 16);
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
 
 /* 16 sums plus bias, rounded to bf16 (to nearest even, NaN kept, as torch rounds) */
 static void store16(uint16_t* y, const float* sums, const float* bias) {
@@ -880,5 +882,34 @@ void top_probs(const uint16_t* x, int R, int n, int k, int64_t* idx, float* prob
         }
         for (int j = 0; j < k; j++)
             probs[(size_t)r * k + j] = expf(best[j] - top) / total;
+    }
+}
+
+/* out = bf16(bf16(silu(g)) * u) over R rows of n bf16 values, rows of g, u and out `g_row`, `u_row` and n apart:
+ * a SwiGLU MLP's act_fn(gate) * up as torch computes it in bf16 (silu x / (1 + e^-x) in float32, rounded, then the
+ * product rounded), but for e^-x, within 2 ulp of torch's: in one call, where torch's two ops and the gate's
+ * and up's split from their stacked product took ~30 us in a decoder layer (AVX2-only EPYC). */
+void bf16_silu_mul(const uint16_t* g, long g_row, const uint16_t* u, long u_row, uint16_t* out, int R, int n) {
+    for (int r = 0; r < R; r++) {
+        const uint16_t *gr = g + (size_t)r * g_row, *ur = u + (size_t)r * u_row;
+        uint16_t* o = out + (size_t)r * n;
+        int i = 0;
+        for (; i + 8 <= n; i += 8) {
+            __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                _mm_loadu_si128((const __m128i*)(gr + i))), 16));
+            __m256 minus = _mm256_sub_ps(_mm256_setzero_ps(), x);
+            if (_mm256_movemask_ps(_mm256_cmp_ps(minus, _mm256_set1_ps(87.0f), _CMP_NLE_UQ)))
+                break; /* e^-x near or past float32's range (or a NaN): these and the rest one at a time */
+            __m256 y = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+                _mm_loadu_si128((const __m128i*)(ur + i))), 16));
+            __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_neg8(minus)));
+            s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16x8(s)), 16));
+            _mm_storeu_si128((__m128i*)(o + i), bf16x8(_mm256_mul_ps(s, y)));
+        }
+        for (; i < n; i++) {
+            float x = bf16_to_float(gr[i]);
+            float s = bf16_to_float(float_to_bf16(x / (1.0f + expf(-x))));
+            o[i] = float_to_bf16(s * bf16_to_float(ur[i]));
+        }
     }
 }
