@@ -140,6 +140,8 @@ def load(isa: str, cache_dir: Path | None = None) -> ctypes.CDLL:
     lib.bf16_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                                   ctypes.c_int, ctypes.c_int]
     lib.bf16_silu_mul.restype = None
+    lib.bf16_add_rms_norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2 + [ctypes.c_float]
+    lib.bf16_add_rms_norm.restype = None
     return lib
 
 
@@ -338,6 +340,26 @@ def rms_norm(weight: torch.Tensor, eps: float, module: Callable[[torch.Tensor], 
         if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != dim:
             return module(x)
         return norm(x, weight, eps)
+
+    return compute
+
+
+def add_rms_norm(weight: torch.Tensor, eps: float) -> Callable[[torch.Tensor, torch.Tensor], tuple | None]:
+    """(a + b, the RMSNorm of it) of bf16 a and b of one shape on the CPU, by `weight`, in one call: a decoder layer's
+    residual sum and the norm after it (the sum bitwise torch's; the norm as `rms_norm`'s). The function returns None
+    for other inputs."""
+    weight = weight.detach().contiguous()
+    dim, bf16 = weight.shape[-1], torch.bfloat16
+
+    def compute(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if a.dtype is not bf16 or b.dtype is not bf16 or a.shape != b.shape or a.shape[-1] != dim or not (
+                a.is_cpu and b.is_cpu):
+            return None
+        a, b = _contiguous(a), _contiguous(b)
+        total, out = torch.empty_like(a), torch.empty_like(a)
+        _library.bf16_add_rms_norm(a.data_ptr(), b.data_ptr(), total.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                   a.numel() // dim, dim, eps)
+        return total, out
 
     return compute
 

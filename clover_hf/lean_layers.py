@@ -147,14 +147,19 @@ def _packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out.reshape(batch, heads, tokens, head_dim).transpose(1, 2).contiguous()
 
 
+def _kernel_norm(module: nn.Module) -> bool:
+    """Whether `bf16_kernel` computes the norm: a bf16 RMSNorm of RMS_NORMS where the kernel serves."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ in RMS_NORMS and isinstance(weight, torch.Tensor) and weight.dim() == 1
+            and bf16_kernel.serves(weight))
+
+
 def _norm(module: nn.Module | None, fused: bool) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The norm's forward: where `fused`, as one `bf16_kernel` call if it is a bf16 RMSNorm of RMS_NORMS."""
     if module is None:
         return None
-    weight = getattr(module, "weight", None)
-    if (fused and type(module).__name__ in RMS_NORMS and isinstance(weight, torch.Tensor) and weight.dim() == 1
-            and bf16_kernel.serves(weight)):
-        return bf16_kernel.rms_norm(weight, float(module.variance_epsilon), module.forward)
+    if fused and _kernel_norm(module):
+        return bf16_kernel.rms_norm(module.weight, float(module.variance_epsilon), module.forward)
     return module.forward
 
 
@@ -175,6 +180,8 @@ def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | Non
     kernel = fused and bf16_kernel.serves(layer.input_layernorm.weight)
     rope = bf16_kernel.rope if kernel else None
     silu_mul = bf16_kernel.silu_mul if kernel and type(act_fn).__name__ in SILU else None
+    post = layer.post_attention_layernorm  # the residual sum before it and the norm in one call, where it is fused
+    add_norm = bf16_kernel.add_rms_norm(post.weight, float(post.variance_epsilon)) if kernel and _kernel_norm(post) else None
     module = sys.modules[type(layer).__module__]
     eager = module.eager_attention_forward
     window = LEAN_MODULES[type(layer).__module__]
@@ -222,9 +229,13 @@ def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | Non
             out = attend(query, key, value, attention_mask, scaling)
         if out is None:
             out = torchs_attention(query, key, value, attention_mask, kwargs)
-        hidden_states = residual + o_proj.forward(out.reshape(*input_shape, -1).contiguous())
-        residual = hidden_states
-        hidden_states = norm_post(hidden_states)
+        attended = o_proj.forward(out.reshape(*input_shape, -1).contiguous())
+        summed = add_norm(residual, attended) if add_norm is not None else None
+        if summed is None:
+            hidden_states = residual + attended
+            residual, hidden_states = hidden_states, norm_post(hidden_states)
+        else:
+            residual, hidden_states = summed
         gate, up = gate_proj.forward(hidden_states), up_proj.forward(hidden_states)
         mixed = silu_mul(gate, up) if silu_mul is not None else None
         hidden_states = down_proj.forward(act_fn(gate) * up if mixed is None else mixed)

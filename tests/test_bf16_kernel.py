@@ -267,21 +267,24 @@ def test_lean_layers_run_fused_norms_only_where_asked_in_bf16(monkeypatch):
     up, in one kernel call each; without it, or in float32, they run the modules' own (bitwise plain decoding's)."""
     from clover_hf.lean_layers import lean_layers
 
-    made, mixed = [], []
-    real, real_mix = bf16_kernel.rms_norm, bf16_kernel.silu_mul
+    made, mixed, summed = [], [], []
+    real, real_mix, real_add = bf16_kernel.rms_norm, bf16_kernel.silu_mul, bf16_kernel.add_rms_norm
     monkeypatch.setattr(bf16_kernel, "rms_norm", lambda w, eps, own: made.append(w.shape) or real(w, eps, own))
     monkeypatch.setattr(bf16_kernel, "silu_mul", lambda gate, up: mixed.append(gate.shape) or real_mix(gate, up))
+    monkeypatch.setattr(bf16_kernel, "add_rms_norm", lambda w, eps: (
+        lambda add: lambda a, b: summed.append(a.shape) or add(a, b))(real_add(w, eps)))
     ids = torch.randint(0, 256, (1, 9))
     for dtype, pack, fused in ((torch.bfloat16, True, 4), (torch.bfloat16, False, 0), (torch.float32, True, 0)):
         made.clear()
         mixed.clear()
+        summed.clear()
         model = tiny_model("llama", dtype=dtype)
         with torch.no_grad():
             want = model(ids).logits.float()
             with lean_layers(model, pack=pack) as count:
                 got = model(ids).logits.float()
         assert count == 2 and len(made) == fused  # two layers, two norms each
-        assert len(mixed) == fused // 2  # an MLP each
+        assert len(mixed) == len(summed) == fused // 2  # an MLP each, and the residual sum before it
         if fused:
             assert torch.allclose(got, want, atol=0.05, rtol=0.05)
         else:
@@ -622,3 +625,18 @@ def test_the_fused_silu_times_up_is_bitwise_torchs_on_random_inputs(isa, built, 
     torch.testing.assert_close(bf16_kernel.silu_mul(edges, ones), F.silu(edges) * ones, rtol=0, atol=0, equal_nan=True)
     square = torch.randn(4, 4).bfloat16()
     assert bf16_kernel.silu_mul(square.T, square) is None and bf16_kernel.silu_mul(square.float(), square.float()) is None
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_the_residual_sum_and_its_norm_in_one_call_are_torchs_add_and_the_fused_norm(isa, built, monkeypatch):
+    """A decoder layer's residual sum, bitwise torch's bf16 add, and the RMSNorm of it, bitwise the fused norm's; inputs
+    not of that form are left to torch."""
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    torch.manual_seed(0)
+    weight = torch.randn(576).bfloat16()
+    add_norm, norm = bf16_kernel.add_rms_norm(weight, 1e-5), bf16_kernel.rms_norm(weight, 1e-5, None)
+    for rows in (1, 3, 16):
+        a, b = torch.randn(2, rows, 576).bfloat16(), (torch.randn(2, rows, 576) * 4).bfloat16()
+        total, normed = add_norm(a, b)
+        assert torch.equal(total, a + b) and torch.equal(normed, norm(a + b))
+    assert add_norm(a.float(), b.float()) is None and add_norm(a[..., :64], b[..., :64]) is None

@@ -236,29 +236,43 @@ static inline __m256 exp_neg8(__m256 x) {
 
 /* y = w * bf16(x * rsqrt(mean(x^2) + eps)) for each of R rows of D: transformers' Llama RMSNorm in bf16
  * (sums of squares in float32, sixteen partial sums, so in another order than torch's). */
+static void norm_row(const uint16_t* xr, const uint16_t* w, uint16_t* yr, int D, float eps) {
+    float part[16] = {0};
+    int i = 0;
+    for (; i + 16 <= D; i += 16)
+        for (int j = 0; j < 16; j++) {
+            float v = bf16_to_float(xr[i + j]);
+            part[j] += v * v;
+        }
+    for (; i < D; i++) {
+        float v = bf16_to_float(xr[i]);
+        part[0] += v * v;
+    }
+    float sum = 0.0f;
+    for (int j = 0; j < 16; j++)
+        sum += part[j];
+    float scale = 1.0f / sqrtf(sum / (float)D + eps);
+    for (i = 0; i < D; i++) {
+        float normed = bf16_to_float(float_to_bf16(bf16_to_float(xr[i]) * scale));
+        yr[i] = float_to_bf16(bf16_to_float(w[i]) * normed);
+    }
+}
+
 void bf16_rms_norm(const uint16_t* x, const uint16_t* w, uint16_t* y, int R, int D, float eps) {
+    for (int r = 0; r < R; r++)
+        norm_row(x + (size_t)r * D, w, y + (size_t)r * D, D, eps);
+}
+
+/* sum = bf16(a + b) (as torch adds bf16 tensors) and y = the RMSNorm of sum, as `bf16_rms_norm`: a decoder layer's
+ * residual sum and the norm that follows it in one call */
+void bf16_add_rms_norm(const uint16_t* a, const uint16_t* b, uint16_t* sum, const uint16_t* w, uint16_t* y, int R,
+                       int D, float eps) {
     for (int r = 0; r < R; r++) {
-        const uint16_t* xr = x + (size_t)r * D;
-        uint16_t* yr = y + (size_t)r * D;
-        float part[16] = {0};
-        int i = 0;
-        for (; i + 16 <= D; i += 16)
-            for (int j = 0; j < 16; j++) {
-                float v = bf16_to_float(xr[i + j]);
-                part[j] += v * v;
-            }
-        for (; i < D; i++) {
-            float v = bf16_to_float(xr[i]);
-            part[0] += v * v;
-        }
-        float sum = 0.0f;
-        for (int j = 0; j < 16; j++)
-            sum += part[j];
-        float scale = 1.0f / sqrtf(sum / (float)D + eps);
-        for (i = 0; i < D; i++) {
-            float normed = bf16_to_float(float_to_bf16(bf16_to_float(xr[i]) * scale));
-            yr[i] = float_to_bf16(bf16_to_float(w[i]) * normed);
-        }
+        const uint16_t *ar = a + (size_t)r * D, *br = b + (size_t)r * D;
+        uint16_t* sr = sum + (size_t)r * D;
+        for (int i = 0; i < D; i++)
+            sr[i] = float_to_bf16(bf16_to_float(ar[i]) + bf16_to_float(br[i]));
+        norm_row(sr, w, y + (size_t)r * D, D, eps);
     }
 }
 
