@@ -12,7 +12,7 @@ from clover_hf.budget import CostModel, load_costs
 from clover_hf.form_trials import COVERAGE, SAMPLES, FormTrials, row_bucket
 from clover_hf.linears import COPIES, LINEAR, NATIVE, PACK_ROWS, TRANSPOSED, WeightCopies, linear_forms
 
-from .tiny import prompt, same, tiny_model
+from .tiny import CrossAttentionProjections, prompt, same, tiny_model
 
 
 class FakeClock:
@@ -559,16 +559,8 @@ def test_a_group_seen_taking_other_inputs_gets_its_own_copies_while_trials_live(
     count pending) and would make copies only as the call can afford them; before, those layers computed without
     a copy (F.linear) for as long as the trials lived."""
 
-    class Cross(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(8, 4) for _ in range(3))
-
-        def forward(self, x, states):
-            return torch.cat([self.q_proj(x), self.k_proj(states), self.v_proj(states)], dim=-1)
-
     torch.manual_seed(0)
-    model, x, states = Cross(), torch.randn(2, 8), torch.randn(2, 8)
+    model, x, states = CrossAttentionProjections(), torch.randn(2, 8), torch.randn(2, 8)
     ref = model(x, states)
     group = (model.q_proj, model.k_proj, model.v_proj)
     copies = WeightCopies(limit=10**9)

@@ -30,7 +30,7 @@ from clover_hf.linears import (
     transposed_linear,
 )
 
-from .tiny import ARCHS, prompt, same, tiny_model
+from .tiny import ARCHS, CrossAttentionProjections, prompt, same, tiny_model
 
 EVERY = {1 << k: "transposed" for k in range(1, MAX_ROWS.bit_length())}  # 2, 4, ... MAX_ROWS
 COUNTS = {1, *EVERY}  # the row counts forms are timed at
@@ -602,16 +602,8 @@ def test_a_group_seen_taking_other_inputs_keeps_its_own_copies_from_then_on():
     states: once a member is called with another input the group computes apart, and the next block
     gives its layers their own copies instead of a stacked one."""
 
-    class Cross(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(8, 4) for _ in range(3))
-
-        def forward(self, x, states):
-            return torch.cat([self.q_proj(x), self.k_proj(states), self.v_proj(states)], dim=-1)
-
     torch.manual_seed(0)
-    model, x, states = Cross(), torch.randn(2, 8), torch.randn(2, 8)
+    model, x, states = CrossAttentionProjections(), torch.randn(2, 8), torch.randn(2, 8)
     ref = model(x, states)
     group = (model.q_proj, model.k_proj, model.v_proj)
     copies = WeightCopies(limit=10**6)

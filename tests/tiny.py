@@ -209,3 +209,15 @@ def random_heads(base: PreTrainedModel, seed: int = 0, **config_kwargs) -> tuple
             if "norm" not in name:
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
     return model, g
+
+
+class CrossAttentionProjections(torch.nn.Module):
+    """q/k/v named like a decoder layer's, its keys and values read from other states than its queries (as Clover's
+    attention decoders read them): a group that `linears.shared_input_groups` stacks, then finds taking other inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(8, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q_proj(x), self.k_proj(states), self.v_proj(states)], dim=-1)
