@@ -223,15 +223,15 @@ def argmax(scores: torch.Tensor) -> torch.Tensor | None:
             scores.stride(1) != 1 and scores.shape[1] > 1):
         return None
     rows, width = scores.shape
-    out = torch.empty(rows, dtype=torch.int64)
-    if rows and width:
-        _library.argmax_rows(scores.data_ptr(), scores.stride(0), rows, width, out.data_ptr(), torch.get_num_threads())
-    elif rows:
+    if rows and not width:
         return None  # torch refuses an empty row
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        _library.argmax_rows(scores.data_ptr(), scores.stride(0), rows, width, out.data_ptr(), torch.get_num_threads())
     return out
 
 
-TOP_MOST = 64  # the most tokens a row `top_probs` ranks
+TOP_MOST = 64  # the most tokens a row `top_probs` ranks (the kernel's TOP_MOST)
 
 
 def top_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:

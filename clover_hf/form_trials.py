@@ -102,8 +102,10 @@ class FormTrials:
         # at 16-31 rows, the blocked layout's first product at each count had made it look slower than W @ x.T,
         # which then took 16-token verify forwards to 37 ms against 22), and (1, form) one-row forwards
         self.warm: set[tuple] = set()
-        self.group_of = {id(m): group for group in shared_input_groups(models) for m in group}
-        self.units = _units(models)  # products as `linear_forms` computes them: a group stacked, else a layer
+        groups = shared_input_groups(models)
+        self.group_of = {id(m): group for group in groups for m in group}
+        # products as `linear_forms` computes them: a group stacked, else a layer
+        self.units = _units(models, groups=groups)
         self._copied_all = False  # every unit has its copy for the copy form (or cannot have one)
         self.providing = False  # the call began with copies the settled forms compute from still to make
         self.used: set[int] = set()  # the layers (by id) that computed products here

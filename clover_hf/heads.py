@@ -293,7 +293,7 @@ class DraftLMHead:
 def top_probabilities(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k likeliest tokens of each row of `logits` (N, V) and their probabilities (float32), likeliest first:
     softmax then topk, or `bf16_kernel.top_probs` in one call where it serves."""
-    fast = bf16_kernel.top_probs(logits, k) if logits.dim() == 2 else None
+    fast = bf16_kernel.top_probs(logits, k)
     if fast is not None:
         return fast
     top = logits.float().softmax(-1).topk(k, dim=-1)

@@ -454,12 +454,14 @@ def _streamed_ms(models: list[nn.Module], forms: Iterable[str], reps: int, copie
     return ms
 
 
-def _units(models: list[nn.Module], apart: Iterable[nn.Module] = ()) -> list[tuple[nn.Linear, ...]]:
+def _units(models: list[nn.Module], apart: Iterable[nn.Module] = (), groups: list[tuple[nn.Linear, ...]] | None = None
+           ) -> list[tuple[nn.Linear, ...]]:
     """The models' plain linear layers in the order a forward runs them, a `shared_input_groups` group as
-    one (but those whose first layer is in `apart`)."""
+    one (but those whose first layer is in `apart`); `groups`: the models' `shared_input_groups`, where known."""
     layers = list({id(m): m for model in models for m in _linears(model)}.values())
     apart = {id(m) for m in apart}
-    first = {id(g[0]): g for g in shared_input_groups(models) if id(g[0]) not in apart}
+    groups = shared_input_groups(models) if groups is None else groups
+    first = {id(g[0]): g for g in groups if id(g[0]) not in apart}
     grouped = {id(m) for g in first.values() for m in g}
     return [first.get(id(m), (m,)) for m in layers if id(m) not in grouped or id(m) in first]
 
@@ -752,13 +754,14 @@ def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: Weight
     kind = copy_form(forms)
     stacked: dict[int, _Stacked] = {}
     if copies is not None and kind is not None:
-        units = _units(models, copies.apart)
+        groups = shared_input_groups(models)
+        units = _units(models, copies.apart, groups)
         if trials is None:
             copies.prepare_units(units, kind)
         else:  # the trials make them as the call can afford them, but the layers of a group seen taking other
             # inputs get their own now (else they computed without copies while trials lived: Clover's input
             # decoder's q/k/v in F.linear, 0.27 ms a drafting step on the AVX2-only EPYC); a few small layers
-            copies.prepare_units([(m,) for g in shared_input_groups(models) if g[0] in copies.apart for m in g], kind)
+            copies.prepare_units([(m,) for g in groups if g[0] in copies.apart for m in g], kind)
         for group in (u for u in units if len(u) > 1):
             entry = copies.get_fused(group, kind)
             if entry is not None:

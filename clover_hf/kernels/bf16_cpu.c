@@ -36,6 +36,15 @@ static __m128i bf16x8(__m256 f) {
     return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
+/* 8 bf16 values (in a register, or read at p) widened to float32 */
+static inline __m256 bf16x8_widen(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline __m256 bf16x8_in(const uint16_t* p) {
+    return bf16x8_widen(_mm_loadu_si128((const __m128i*)p));
+}
+
 #if defined(__AVX512BF16__)
 
 #define BLOCK 8
@@ -546,10 +555,6 @@ static void i8_tiles(const int8_t* xq, const float* xs, const int8_t* wq, const 
 #else
 #define ATT_ROWS 8 /* query rows (of one key/value head) one pass attends */
 
-/* 8 bf16 values widened to float32 */
-static inline __m256 bf16x8_in(const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
 
 /* the sums of each of 8 vectors, as one vector */
 static inline __m256 sums8(const __m256* a) {
@@ -844,7 +849,9 @@ void argmax_rows(const float* x, long stride, int R, int n, int64_t* out, int th
         out[r] = argmax_row(x + (size_t)r * stride, n);
 }
 
-/* For each of R rows of n bf16 logits: its k (<= n) largest, largest first (of equal ones, the first), as indices
+#define TOP_MOST 64 /* the most a row ranks (bf16_kernel.TOP_MOST) */
+
+/* For each of R rows of n bf16 logits: its k (<= n, <= TOP_MOST) largest, largest first (of equal ones, the first), as indices
  * and softmax probabilities exp(x - max) / sum(exp(x - max)) in float32 (sums in another order than torch's). What
  * the heads draft at each level, in one call: torch's conversion, softmax and topk took ~85 us a level over 8192
  * logits (AVX2-only EPYC). NaN logits are not ranked. */
@@ -852,14 +859,13 @@ void top_probs(const uint16_t* x, int R, int n, int k, int64_t* idx, float* prob
     #pragma omp parallel for num_threads(threads) if (threads > 1 && R > 1)
     for (int r = 0; r < R; r++) {
         const uint16_t* xr = x + (size_t)r * n;
-        float best[64] = {0};
+        float best[TOP_MOST] = {0};
         int64_t* at = idx + (size_t)r * k;
         int count = 0;
         for (int i = 0; i < n; i++) {
             if (count == k && (i & 7) == 0) { /* whole blocks of 8 with none above the k-th largest, skipped */
                 __m256 floor = _mm256_set1_ps(best[k - 1]);
-                while (i + 8 <= n && !_mm256_movemask_ps(_mm256_cmp_ps(_mm256_castsi256_ps(_mm256_slli_epi32(
-                           _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(xr + i))), 16)), floor, _CMP_GT_OQ)))
+                while (i + 8 <= n && !_mm256_movemask_ps(_mm256_cmp_ps(bf16x8_in(xr + i), floor, _CMP_GT_OQ)))
                     i += 8;
                 if (i >= n)
                     break;
@@ -881,8 +887,7 @@ void top_probs(const uint16_t* x, int R, int n, int k, int64_t* idx, float* prob
         __m256 most = _mm256_set1_ps(top), sum = _mm256_setzero_ps();
         int i = 0;
         for (; i + 8 <= n; i += 8) {
-            __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
-                _mm_loadu_si128((const __m128i*)(xr + i))), 16));
+            __m256 v = bf16x8_in(xr + i);
             __m256 e = exp_neg8(_mm256_sub_ps(v, most));
             sum = _mm256_add_ps(sum, _mm256_andnot_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q), e));
         }
@@ -910,15 +915,13 @@ void bf16_silu_mul(const uint16_t* g, long g_row, const uint16_t* u, long u_row,
         uint16_t* o = out + (size_t)r * n;
         int i = 0;
         for (; i + 8 <= n; i += 8) {
-            __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
-                _mm_loadu_si128((const __m128i*)(gr + i))), 16));
+            __m256 x = bf16x8_in(gr + i);
             __m256 minus = _mm256_sub_ps(_mm256_setzero_ps(), x);
             if (_mm256_movemask_ps(_mm256_cmp_ps(minus, _mm256_set1_ps(87.0f), _CMP_NLE_UQ)))
                 break; /* e^-x near or past float32's range (or a NaN): these and the rest one at a time */
-            __m256 y = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
-                _mm_loadu_si128((const __m128i*)(ur + i))), 16));
+            __m256 y = bf16x8_in(ur + i);
             __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_neg8(minus)));
-            s = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bf16x8(s)), 16));
+            s = bf16x8_widen(bf16x8(s));
             _mm_storeu_si128((__m128i*)(o + i), bf16x8(_mm256_mul_ps(s, y)));
         }
         for (; i < n; i++) {
