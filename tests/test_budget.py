@@ -487,9 +487,14 @@ def test_bad_budget_is_refused_before_any_forward():
 def test_default_dtype_follows_the_cpu(monkeypatch):
     import clover_hf.hardware as hardware
 
+    import clover_hf.bf16_kernel as bf16_kernel
+
     monkeypatch.setattr(hardware, "cpu_capability", lambda: "AVX2")
     monkeypatch.setattr(hardware, "bf16_reads_faster_cpu", lambda: False)
-    assert not native_bf16_cpu() and default_dtype("cpu") == torch.float32
+    monkeypatch.setattr(bf16_kernel, "available", lambda: True)  # the compiled kernel reads bf16 alone
+    assert not native_bf16_cpu() and default_dtype("cpu") == torch.bfloat16
+    monkeypatch.setattr(bf16_kernel, "available", lambda: False)  # no compiler, or CLOVER_HF_KERNEL=0
+    assert default_dtype("cpu") == torch.float32
     monkeypatch.setattr(hardware, "bf16_reads_faster_cpu", lambda: True)  # no native bf16, but measured faster
     assert default_dtype("cpu") == torch.bfloat16
     monkeypatch.setattr(hardware, "bf16_reads_faster_cpu", lambda: False)
