@@ -114,6 +114,19 @@ def _built(path: Path, isa: str) -> Path:
     return path
 
 
+class LayerArgs(ctypes.Structure):
+    """The C kernel's `struct layer_args`: a decoder layer's weights and sizes, and one call's tensors."""
+
+    _fields_ = [*((name, ctypes.c_void_p) for name in (
+                    "norm_in", "qkv", "o", "gate_up", "down", "norm_post", "qkv_bias", "o_bias", "gate_up_bias",
+                    "down_bias")),
+                *((name, ctypes.c_int) for name in ("D", "Hq", "Hk", "hd", "F")),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("threads", ctypes.c_int),
+                *((name, ctypes.c_void_p) for name in ("x", "cos", "sin", "out", "keys", "values")),
+                ("kv_row", ctypes.c_long), ("kv_head", ctypes.c_long), ("length", ctypes.c_int),
+                ("mask", ctypes.c_void_p), ("mask_bf16", ctypes.c_int), ("B", ctypes.c_int), ("T", ctypes.c_int)]
+
+
 def load(isa: str, cache_dir: Path | None = None) -> ctypes.CDLL:
     """The kernel built for `isa` (one of ISA_FLAGS), built first where missing; raises where it cannot be."""
     lib = ctypes.CDLL(str(_built(library_path(isa, cache_dir), isa)))
@@ -144,6 +157,8 @@ def load(isa: str, cache_dir: Path | None = None) -> ctypes.CDLL:
     lib.bf16_silu_mul.restype = None
     lib.bf16_add_rms_norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2 + [ctypes.c_float]
     lib.bf16_add_rms_norm.restype = None
+    lib.bf16_layer.argtypes = [ctypes.POINTER(LayerArgs)]
+    lib.bf16_layer.restype = ctypes.c_int
     return lib
 
 
@@ -470,6 +485,78 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     _library.bf16_silu_mul(gate.data_ptr(), g_row, up.data_ptr(), u_row, out.data_ptr(), gate.numel() // max(width, 1),
                            width)
     return out
+
+
+class DecoderLayer:
+    """A Llama-pattern decoder layer (RMSNorm, attention over a growing cache, residual; RMSNorm, SwiGLU MLP,
+    residual) of bf16 rows in one call (`bf16_layer`): the same kernel functions the lean layer calls one by one
+    (`rms_norm`, the products, `rope`, `attention`, `add_rms_norm`, `silu_mul`), so bitwise its output, without the
+    ~20 torch ops and Python calls around them, which in situ took several times their warm time.
+    Holds the norms' weights and the sizes; each call is given the products' tiled weights (`tile`: the q/k/v and
+    gate/up weights stacked, as `linears.linear_forms` keeps them) and the cache's stores."""
+
+    def __init__(self, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float, heads: int, key_heads: int,
+                 head_dim: int, scale: float) -> None:
+        self.args = args = LayerArgs()
+        self.norms = tuple(w.detach().contiguous() for w in (norm_in, norm_post))
+        args.norm_in, args.norm_post = (w.data_ptr() for w in self.norms)
+        args.D, args.Hq, args.Hk, args.hd = norm_in.shape[-1], heads, key_heads, head_dim
+        args.eps, args.scale, args.threads = eps, scale, torch.get_num_threads()
+        self.tiled: tuple[torch.Tensor, ...] = ()  # the products' weights the args point to, and their float32 biases
+        self.biases: tuple[torch.Tensor | None, ...] = ()
+
+    def _set_weights(self, weights: list[tuple[torch.Tensor, torch.Tensor | None]]) -> bool:
+        """Point the args at these (tiled weight, bias) of the q/k/v, o, gate/up and down products; False where their
+        sizes are not the layer's."""
+        a = self.args
+        (qkv, _), (o, _), (gate_up, _), (down, _) = weights
+        shapes = [(t.shape[0] * TILE, t.shape[1] * 2) for t, _ in weights]
+        width = shapes[2][0] // 2
+        if shapes != [((a.Hq + 2 * a.Hk) * a.hd, a.D), (a.D, a.Hq * a.hd), (2 * width, a.D), (a.D, width)] or not all(
+                t.dtype is torch.bfloat16 and t.is_cpu and t.is_contiguous() for t, _ in weights):
+            return False
+        self.tiled = tuple(t for t, _ in weights)
+        self.biases = tuple(None if b is None else b.detach().float().contiguous() for _, b in weights)
+        a.qkv, a.o, a.gate_up, a.down = (t.data_ptr() for t in self.tiled)
+        a.qkv_bias, a.o_bias, a.gate_up_bias, a.down_bias = (None if b is None else b.data_ptr() for b in self.biases)
+        a.F = width
+        return True
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 weights: list[tuple[torch.Tensor, torch.Tensor | None]], keys: torch.Tensor, values: torch.Tensor,
+                 length: int, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The layer's output for x (B, T, D), by cos and sin (B, T, head_dim), writing the T new keys and values into
+        slots `length` on of the stores `keys` and `values` (B, key_heads, slots, head_dim), under `mask` (B, 1, T,
+        length + T) additive, or None for one token that sees every key. None (nothing written) where the inputs are
+        not of that form."""
+        a, bf16 = self.args, torch.bfloat16
+        if len(weights) != 4 or any(w is not t for (w, _), t in zip(weights, self.tiled)) or len(self.tiled) != 4:
+            if not self._set_weights(weights):
+                return None
+        batch, tokens = x.shape[0], x.shape[1] if x.dim() == 3 else 0
+        store = (batch, a.Hk, keys.shape[2] if keys.dim() == 4 else 0, a.hd)
+        if not (x.dim() == 3 and x.shape[2] == a.D and x.dtype is bf16 and x.is_cpu and x.is_contiguous()
+                and cos.shape == sin.shape == (batch, tokens, a.hd) and cos.dtype is bf16 and sin.dtype is bf16
+                and keys.shape == values.shape == store and keys.dtype is bf16 and values.dtype is bf16
+                and keys.is_contiguous() and values.is_contiguous() and length + tokens <= store[2]):
+            return None
+        if mask is None:
+            if tokens != 1:
+                return None
+            a.mask, a.mask_bf16 = None, 0
+        else:
+            if mask.dtype not in (bf16, torch.float32) or mask.shape != (batch, 1, tokens, length + tokens) or not mask.is_cpu:
+                return None
+            mask = _contiguous(mask)
+            a.mask, a.mask_bf16 = mask.data_ptr(), int(mask.dtype is bf16)
+        cos, sin = _contiguous(cos), _contiguous(sin)
+        out = torch.empty_like(x)
+        a.x, a.cos, a.sin, a.out, a.keys, a.values = (x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                                                      keys.data_ptr(), values.data_ptr())
+        a.kv_row, a.kv_head, a.length, a.B, a.T = keys.stride(0), keys.stride(1), length, batch, tokens
+        if _library.bf16_layer(ctypes.byref(a)):
+            raise MemoryError(f"bf16_kernel: no memory for a decoder layer of {batch * tokens} rows")
+        return out
 
 
 def _row_stride(t: torch.Tensor) -> int | None:

@@ -41,19 +41,31 @@ class GrowingLayer(DynamicLayer):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        keys, values = self.keys, self.values
-        length = keys.shape[-2] if keys.dim() == 4 else 0
+        length = self.keys.shape[-2] if self.keys.dim() == 4 else 0
         end = length + key_states.shape[-2]
-        views = self._views  # views this layer set itself need no check of where they lie
-        if (views is None or views[0] is not keys or views[1] is not values or end > self.stores[0].shape[-2]
-                or (self._inference and not torch.is_inference_mode_enabled())) and not self._writable(end):
-            self.stores = (self._store(keys, key_states, end), self._store(values, value_states, end))
-            self._inference = self.stores[0].is_inference()
-        key_store, value_store = self.stores
+        key_store, value_store = self._room(end, key_states, value_states)
         key_store.narrow(2, length, end - length).copy_(key_states)
         value_store.narrow(2, length, end - length).copy_(value_states)
         self.set_length(end)
         return self.keys, self.values
+
+    def reserve(self, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The stores, holding the keys and values so far and room for `end` slots, for a caller that writes the new
+        slots itself (then calls `set_length(end)`); None where the layer holds no keys yet."""
+        if not self.is_initialized or self.keys.dim() != 4:
+            return None
+        return self._room(end, self.keys, self.values)
+
+    def _room(self, end: int, key_like: torch.Tensor, value_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stores, made anew (holding the keys and values so far) where they are not views of them, lack room
+        for `end` slots or may not be written here; new ones are shaped and typed as `key_like`, `value_like`."""
+        keys, values = self.keys, self.values
+        views = self._views  # views this layer set itself need no check of where they lie
+        if (views is None or views[0] is not keys or views[1] is not values or end > self.stores[0].shape[-2]
+                or (self._inference and not torch.is_inference_mode_enabled())) and not self._writable(end):
+            self.stores = (self._store(keys, key_like, end), self._store(values, value_like, end))
+            self._inference = self.stores[0].is_inference()
+        return self.stores
 
     def set_length(self, end: int) -> None:
         """Keys and values cut to their first `end` slots (compaction), still views of the stores."""

@@ -43,7 +43,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import bf16_kernel
 from .base_parts import decoder_layers
-from .cache import new_cache
+from .cache import GrowingLayer, new_cache
 from .heads import apply_rope
 
 # transformers' modeling modules whose decoder layer, attention, MLP and RMSNorm the lean forward mirrors, and
@@ -163,6 +163,50 @@ def _norm(module: nn.Module | None, fused: bool) -> Callable[[torch.Tensor], tor
     return module.forward
 
 
+def _whole_layer(layer: nn.Module) -> Callable[..., torch.Tensor | None] | None:
+    """The decoder layer in one `bf16_kernel.DecoderLayer` call, as a function of (hidden states, mask, position
+    embeddings, cache) that returns None (nothing done) where a call is not one it computes: its products not all
+    in the kernel's tiled copies (`linears.linear_forms`' `kernel_weights`: q/k/v and gate/up stacked), or a cache
+    that is not a growing one holding keys. None where the layer's norms differ in epsilon."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norm_in, post = layer.input_layernorm, layer.post_attention_layernorm
+    if float(norm_in.variance_epsilon) != float(post.variance_epsilon):
+        return None
+    head_dim = attn.head_dim
+    compute = bf16_kernel.DecoderLayer(norm_in.weight, post.weight, float(norm_in.variance_epsilon),
+                                       attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim,
+                                       head_dim, attn.scaling)
+    projections = (attn.q_proj, attn.o_proj, mlp.gate_proj, mlp.down_proj)
+    stacks = ([attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features], [attn.o_proj.out_features],
+              [mlp.gate_proj.out_features, mlp.up_proj.out_features], [mlp.down_proj.out_features])
+    layer_idx = attn.layer_idx
+
+    def run(x: torch.Tensor, mask: torch.Tensor | None, embeddings: tuple, cache) -> torch.Tensor | None:
+        if getattr(cache, "offloading", False) or layer_idx >= len(getattr(cache, "layers", ())):
+            return None
+        stored = cache.layers[layer_idx]
+        if not isinstance(stored, GrowingLayer):
+            return None
+        rows = x.numel() // x.shape[-1]
+        weights = []
+        for projection, sizes in zip(projections, stacks):
+            ask = getattr(projection.forward, "kernel_weights", None)
+            found = ask(rows) if ask is not None else None
+            if found is None or found[2] != sizes:
+                return None
+            weights.append(found[:2])
+        length = stored.get_seq_length()
+        stores = stored.reserve(length + x.shape[1]) if x.dim() == 3 else None
+        if stores is None:
+            return None
+        out = compute(x, *embeddings, weights, *stores, length, mask)
+        if out is not None:
+            stored.set_length(length + x.shape[1])
+        return out
+
+    return run
+
+
 def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | None = None, fused: bool = False
                  ) -> Callable[..., torch.Tensor]:
     """The decoder layer's forward as one function over its parts (see the module's docstring); `pack`: in half
@@ -197,6 +241,9 @@ def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | Non
     # the kernel's attention stands in for SDPA's or eager attention (the same softmax(q k^T * scaling + mask) v), with
     # a mask, or for one token without (it sees every key; several would need the causal mask SDPA implies)
     attend = bf16_kernel.attention if kernel and attention in (sdpa_attention_forward, eager) else None
+    # the whole layer in one call where each of its parts has a kernel call of its own
+    whole = (_whole_layer(layer) if attend is not None and silu_mul is not None and add_norm is not None
+             and q_norm is None and not extra.get("sliding_window") else None)
 
     def torchs_attention(query, key, value, attention_mask, kwargs) -> torch.Tensor:
         """(B, T, heads, head_dim): SDPA, packed or over shared key/value heads (above), else the config's function."""
@@ -210,6 +257,10 @@ def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | Non
     def forward(hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None, use_cache=False,
                 position_embeddings=None, past_key_values=None, **kwargs) -> torch.Tensor:
         cache = cache if cache is not None else past_key_values
+        if whole is not None and cache is not None and position_embeddings is not None:
+            out = whole(hidden_states, attention_mask, position_embeddings, cache)
+            if out is not None:
+                return out
         kwargs = {"position_ids": position_ids, "use_cache": use_cache, **kwargs}  # what the attention's **kwargs hold
         residual = hidden_states
         hidden_states = norm_in(hidden_states)

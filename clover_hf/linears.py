@@ -796,6 +796,20 @@ def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: Weight
                 by_rows[rows] = compute
             return compute(x)
 
+        def kernel_weights(rows: int) -> tuple[torch.Tensor, torch.Tensor | None, list[int]] | None:
+            """The tiled copy (`bf16_kernel.tile`) and bias `m`'s products of `rows` rows compute from here, stacked
+            with its group's where it leads one, and the output sizes of the layers it holds; None where they compute
+            otherwise (another form, no copy, a trial, a group computing apart, or a group's other member)."""
+            if (kind != TILED or form_for(forms, rows) != TILED
+                    or (trials is not None and (rows > PACK_ROWS or not verify_settled) and trials.handles(rows))):
+                return None
+            group = stacked.get(id(m))
+            if group is not None:
+                return None if group.alone or group.first is not m else (group.copy, group.bias, group.sizes)
+            copy = made.get(id(m))
+            return None if copy is None else (copy, m.bias, [m.out_features])
+
+        forward.kernel_weights = kernel_weights
         return forward
 
     for m in layers:
