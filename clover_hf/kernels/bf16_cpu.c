@@ -1,6 +1,7 @@
 /* bf16 kernels for decoding on x86 CPUs, built by clover_hf/bf16_kernel.py: transformers' RMSNorm (alone, or with
  * the residual sum before it), rotary embedding and SwiGLU activation in one call each, the attention of a few query
- * tokens, a product by int8 weights, greedy acceptance's argmax and the heads' softmax top-k,
+ * tokens, a whole decoder layer of these in one call, a product by int8 weights, greedy acceptance's argmax and the
+ * heads' softmax top-k,
  * and y = x @ w.T (+ bias) for a few rows of bf16 x, each weight byte read once for
  * a block of rows, sums in float32, for one of two instruction sets:
  *   AVX-512-BF16 (-mavx512bf16): vdpbf16ps multiplies pairs of bf16 inputs, eight rows a block;
