@@ -19,6 +19,7 @@ from torch import nn
 
 from . import bf16_kernel
 from .base_parts import decoder_layers, rms_final_norm
+from .cache import GrowingLayer
 from .config import CloverConfig
 from .linears import LinearForms, linear
 from .packing import document_ids
@@ -86,14 +87,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 @dataclass
 class AugmentCache:
-    """Keys and values of the Augmenting Block's layers for the tokens accepted so far."""
+    """Keys and values of the Augmenting Block's layers for the tokens accepted so far, a growing layer each
+    (`cache.GrowingLayer`: new positions are written in place, where concatenating copied the whole cache)."""
 
-    keys: list[torch.Tensor]  # per layer (B, n_kv, T, hd)
-    values: list[torch.Tensor]
+    layers: list[GrowingLayer]
 
     @property
     def length(self) -> int:
-        return self.keys[0].shape[-2] if self.keys else 0
+        return self.layers[0].get_seq_length() if self.layers else 0
+
+
+def _later_keys(tokens: int, keys: int, dtype: torch.dtype) -> torch.Tensor:
+    """An additive causal mask (tokens, keys) for the last `tokens` of `keys` positions: the lowest value where a key
+    is later than the query (on and above diagonal keys - tokens + 1)."""
+    return torch.full((tokens, keys), torch.finfo(dtype).min, dtype=dtype).triu(keys - tokens + 1)
 
 
 class AugmentLayer(nn.Module):
@@ -118,45 +125,82 @@ class AugmentLayer(nn.Module):
         self,
         x: torch.Tensor,  # (B, T, H)
         positions: torch.Tensor,  # (B, T)
-        past: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: GrowingLayer | None = None,  # keys and values of earlier positions, extended by these
         attn_mask: torch.Tensor | None = None,  # additive, or bool (True: attend), (B, 1, T, past+T); None: causal
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    ) -> torch.Tensor:
         B, T, _ = x.shape
+        cos, sin = rope_tables(positions, self.head_dim, self.rope_theta, x.dtype)
+        # drafting in bf16 on the CPU: the whole layer in one `bf16_kernel` call where its products are in the kernel's
+        # tiled copies, else the rotary embedding and the attention in one call each
+        kernel = not torch.is_grad_enabled() and attn_mask is None and bf16_kernel.serves(x)
+        if kernel and cache is not None:
+            out = self._whole_layer(x, cos[:, 0], sin[:, 0], cache)
+            if out is not None:
+                return out
         y = self.input_layernorm(x)
         q = self.q_proj(y).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(y).view(B, T, self.n_kv, self.head_dim)
         v = self.v_proj(y).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        cos, sin = rope_tables(positions, self.head_dim, self.rope_theta, q.dtype)
-        # drafting in bf16 on the CPU: the rotary embedding and the attention as one `bf16_kernel` call each
-        kernel = not torch.is_grad_enabled() and attn_mask is None and bf16_kernel.serves(x)
         turned = bf16_kernel.rope(q, k, cos[:, 0], sin[:, 0]) if kernel else None
         q, k = turned if turned is not None else (apply_rope(q.transpose(1, 2), cos, sin),
                                                   apply_rope(k.transpose(1, 2), cos, sin))
-        if past is not None:
-            k, v = torch.cat([past[0], k], dim=-2), torch.cat([past[1], v], dim=-2)
+        if cache is not None:
+            k, v = cache.update(k, v)
         out = self._kernel_attention(q, k, v) if kernel else None
         if out is not None:
             x = x + self.o_proj(out.reshape(B, T, -1))
         else:
-            x = x + self.o_proj(self._attention(q, k, v, past, attn_mask).transpose(1, 2).reshape(B, T, -1))
+            x = x + self.o_proj(self._attention(q, k, v, attn_mask).transpose(1, 2).reshape(B, T, -1))
         y = self.post_attention_layernorm(x)
         gate, up = self.gate_proj(y), self.up_proj(y)
         mixed = bf16_kernel.silu_mul(gate, up) if kernel else None
-        x = x + self.down_proj(F.silu(gate) * up if mixed is None else mixed)
-        return x, (k, v)
+        return x + self.down_proj(F.silu(gate) * up if mixed is None else mixed)
+
+    def _whole_layer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: GrowingLayer
+                     ) -> torch.Tensor | None:
+        """The layer as one `bf16_kernel.DecoderLayer` call (bitwise its calls one by one below), extending `cache`;
+        None (nothing done) where its products are not all in the kernel's tiled copies (`linears.linear_forms`),
+        the cache holds no keys yet, or the norms differ in epsilon."""
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        if norms[0].eps != norms[1].eps:
+            return None
+        rows = x.numel() // x.shape[-1]
+        weights = []
+        for first, sizes in ((self.q_proj, [self.q_proj.out_features, self.k_proj.out_features,
+                                            self.v_proj.out_features]),
+                             (self.o_proj, [self.o_proj.out_features]),
+                             (self.gate_proj, [self.gate_proj.out_features, self.up_proj.out_features]),
+                             (self.down_proj, [self.down_proj.out_features])):
+            ask = getattr(first.forward, "kernel_weights", None)
+            found = ask(rows) if ask is not None else None
+            if found is None or found[2] != sizes:
+                return None
+            weights.append(found[:2])
+        length, tokens = cache.get_seq_length(), x.shape[1]
+        stores = cache.reserve(length + tokens)
+        if stores is None:
+            return None
+        made = self.__dict__.get("_kernel_layer")
+        if made is None or made[0] is not norms[0].weight or made[1] is not norms[1].weight:  # made anew after `.to()`
+            layer = bf16_kernel.DecoderLayer(norms[0].weight, norms[1].weight, float(norms[0].eps), self.n_heads,
+                                             self.n_kv, self.head_dim, self.head_dim**-0.5)
+            made = self.__dict__["_kernel_layer"] = (norms[0].weight, norms[1].weight, layer)
+        mask = _later_keys(tokens, length + tokens, x.dtype).expand(x.shape[0], 1, tokens, length + tokens) if (
+            tokens > 1) else None
+        out = made[2](x, cos, sin, weights, *stores, length, mask)
+        if out is not None:
+            cache.set_length(length + tokens)
+        return out
 
     def _kernel_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
         """Causal attention of the new positions (B, heads, T, hd) over the cache and themselves, by `bf16_kernel`
         (B, T, heads, hd); None where it has none."""
         T, length = q.shape[2], k.shape[2]
-        mask = None
-        if T > 1:  # the lowest value where a key is later than the query: on and above diagonal length - T + 1
-            mask = torch.full((T, length), torch.finfo(q.dtype).min, dtype=q.dtype).triu(length - T + 1)
-            mask = mask.expand(q.shape[0], 1, T, length)
+        mask = _later_keys(T, length, q.dtype).expand(q.shape[0], 1, T, length) if T > 1 else None
         return bf16_kernel.attention(q, k, v, mask, self.head_dim**-0.5)
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   past: tuple[torch.Tensor, torch.Tensor] | None, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None
+                   ) -> torch.Tensor:
         """SDPA of the new positions (B, heads, T, hd), causal over the cache and themselves unless `attn_mask`."""
         T = q.shape[2]
         if q.device.type == "cpu":  # the CPU kernels read shared KV heads directly, masked or not
@@ -164,7 +208,7 @@ class AugmentLayer(nn.Module):
         else:  # elsewhere a mask with shared KV heads can fall back to the math kernel
             rep = self.n_heads // self.n_kv
             kk, vv, gqa = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), {}
-        if attn_mask is None and past is not None and past[0].shape[-2] > 0:
+        if attn_mask is None and k.shape[-2] > T:
             causal = torch.ones(T, k.shape[-2], dtype=torch.bool, device=q.device).tril(k.shape[-2] - T)
             return F.scaled_dot_product_attention(q, kk, vv, attn_mask=causal, **gqa)
         if attn_mask is None:
@@ -415,15 +459,12 @@ class CloverHeads(DraftHeads):
         cache: AugmentCache | None = None,
         attn_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, AugmentCache]:
-        """Augmenting Block over new positions; returns features (B, T, H) and the extended cache."""
+        """Augmenting Block over new positions; returns features (B, T, H) and the cache, extended in place."""
         x = self.input_decoder(hidden, next_embeds.to(hidden.dtype))
-        keys, values = [], []
-        for i, layer in enumerate(self.augment):
-            past = (cache.keys[i], cache.values[i]) if cache is not None and cache.length else None
-            x, (k, v) = layer(x, positions, past, attn_mask)
-            keys.append(k)
-            values.append(v)
-        return self.augment_norm(x), AugmentCache(keys, values)
+        cache = cache if cache is not None else AugmentCache([GrowingLayer() for _ in self.augment])
+        for layer, stored in zip(self.augment, cache.layers):
+            x = layer(x, positions, stored, attn_mask)
+        return self.augment_norm(x), cache
 
     def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor,
                 position_ids: torch.Tensor | None = None) -> list[torch.Tensor]:

@@ -693,3 +693,50 @@ def test_a_whole_decoder_layer_in_one_call_is_bitwise_its_calls_one_by_one(arch,
     assert got[3].shape == (batch, 2, 10, 32)
     for g, w in zip(got, want):
         assert g.shape == w.shape and torch.equal(g, w)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_the_augmenting_blocks_layers_in_one_call_each_are_bitwise_their_calls_one_by_one(isa, built, monkeypatch):
+    """Drafting in bf16 with the heads' products in the tiled form, each Augmenting Block layer extends its cache as
+    one kernel call once the cache holds keys (not for the first positions): the features and the cached keys and
+    values bitwise those of its calls one by one, a few positions at a time."""
+    from clover_hf import CloverForCausalLM
+    from clover_hf.heads import AugmentLayer
+
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    base = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
+    heads = CloverForCausalLM.from_base(base).clover_heads.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in heads.named_parameters():
+            if "norm" not in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    T, H = 23, base.config.hidden_size
+    hidden, embeds = (torch.randn(1, T, H, generator=g).to(torch.bfloat16) for _ in range(2))
+    positions = torch.arange(T)[None]
+    whole_calls = []
+    real = AugmentLayer._whole_layer
+
+    def recorded(self, x, *args):
+        out = real(self, x, *args)
+        if out is not None:
+            whole_calls.append(x.shape[1])
+        return out
+
+    def run():
+        parts, cache, start = [], None, 0
+        with torch.no_grad(), linear_forms([heads], {1 << k: TILED for k in range(5)}, WeightCopies(limit=10**9)):
+            for size in (9, 1, 3, 1, 5, 4):
+                out, cache = heads.features(hidden[:, start: start + size], embeds[:, start: start + size],
+                                            positions[:, start: start + size], cache)
+                parts.append(out)
+                start += size
+        return [torch.cat(parts, dim=1), *(t for layer in cache.layers for t in (layer.keys, layer.values))]
+
+    monkeypatch.setattr(AugmentLayer, "_whole_layer", recorded)
+    got = run()
+    assert whole_calls == [size for size in (1, 3, 1, 5, 4) for _ in heads.augment]
+    monkeypatch.setattr(AugmentLayer, "_whole_layer", lambda self, *args: None)
+    want = run()
+    assert got[1].shape[2] == T
+    assert all(g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want))
