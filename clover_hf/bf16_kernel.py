@@ -161,6 +161,11 @@ def load(isa: str, cache_dir: Path | None = None) -> ctypes.CDLL:
     lib.bf16_add_rms_norm.restype = None
     lib.bf16_layer.argtypes = [ctypes.POINTER(LayerArgs)]
     lib.bf16_layer.restype = ctypes.c_int
+    lib.bf16_output_head.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float, ctypes.c_void_p] + [ctypes.c_int] * 3
+    lib.bf16_output_head.restype = ctypes.c_int
+    lib.bf16_attention_decoder.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 7 + [
+        ctypes.c_int] * 4
+    lib.bf16_attention_decoder.restype = ctypes.c_int
     return lib
 
 
@@ -559,6 +564,51 @@ class DecoderLayer:
         if _library.bf16_layer(ctypes.byref(a)):
             raise MemoryError(f"bf16_kernel: no memory for a decoder layer of {batch * tokens} rows")
         return out
+
+
+def _rows_of(x: torch.Tensor, dim: int) -> bool:
+    return x.dtype is torch.bfloat16 and x.is_cpu and x.dim() >= 1 and x.shape[-1] == dim and x.is_contiguous()
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def output_head(s: torch.Tensor, e: torch.Tensor, fc: tuple[torch.Tensor, torch.Tensor | None], norm_weight: torch.Tensor,
+                eps: float) -> torch.Tensor | None:
+    """Clover's output head, norm(s + silu(fc([s; e]))), of bf16 rows s and e (..., D) in one call: `fc` its weight
+    tiled (`tile`, 2D inputs) and its bias (float32, or None); the norm as `rms_norm`. Where torch ran a
+    concatenation, the product, silu, a sum and the norm, each a few times its warm time in situ. Rounds as those
+    ops but for silu's e^-x. None where the inputs are not of that form."""
+    dim = norm_weight.shape[-1]
+    tiled, bias = fc
+    if not (_rows_of(s, dim) and _rows_of(e, dim) and s.shape == e.shape and tiled.shape[0] * TILE == dim
+            and tiled.shape[1] == dim and norm_weight.dtype is torch.bfloat16 and norm_weight.is_contiguous()):
+        return None
+    out = torch.empty_like(s)
+    if _library.bf16_output_head(s.data_ptr(), e.data_ptr(), tiled.data_ptr(), _pointer(bias), norm_weight.data_ptr(),
+                                 eps, out.data_ptr(), s.numel() // dim, dim, torch.get_num_threads()):
+        raise MemoryError("bf16_kernel: no memory for an output head")
+    return out
+
+
+def attention_decoder(h: torch.Tensor, e: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                      projections: list[tuple[torch.Tensor, torch.Tensor | None]], heads: int) -> torch.Tensor | None:
+    """Clover's Attention Decoder, h + v(e) * cos(q(norm(h)), k(e)) per head, of bf16 rows h and e (..., D) in one
+    call: `projections` q, k and v, each its weight tiled (`tile`) and its bias (float32, or None); the norm as
+    `rms_norm`, the gate as `cosine_gate`. None where the inputs are not of that form."""
+    dim = norm_weight.shape[-1]
+    if not (_rows_of(h, dim) and _rows_of(e, dim) and h.shape == e.shape and dim % heads == 0
+            and all(t.shape[0] * TILE == dim and t.shape[1] * 2 == dim for t, _ in projections)
+            and norm_weight.dtype is torch.bfloat16 and norm_weight.is_contiguous()):
+        return None
+    out = torch.empty_like(h)
+    (q, q_bias), (k, k_bias), (v, v_bias) = projections
+    if _library.bf16_attention_decoder(h.data_ptr(), e.data_ptr(), norm_weight.data_ptr(), eps, q.data_ptr(),
+                                       _pointer(q_bias), k.data_ptr(), _pointer(k_bias), v.data_ptr(), _pointer(v_bias),
+                                       out.data_ptr(), h.numel() // dim, dim, heads, torch.get_num_threads()):
+        raise MemoryError("bf16_kernel: no memory for an attention decoder")
+    return out
 
 
 def _row_stride(t: torch.Tensor) -> int | None:

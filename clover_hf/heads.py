@@ -21,7 +21,7 @@ from . import bf16_kernel
 from .base_parts import decoder_layers, rms_final_norm
 from .cache import GrowingLayer
 from .config import CloverConfig
-from .linears import LinearForms, linear
+from .linears import LinearForms, kernel_weights, linear
 from .packing import document_ids
 from .quantized import dense, plain, readable
 
@@ -165,17 +165,13 @@ class AugmentLayer(nn.Module):
         if norms[0].eps != norms[1].eps:
             return None
         rows = x.numel() // x.shape[-1]
-        weights = []
-        for first, sizes in ((self.q_proj, [self.q_proj.out_features, self.k_proj.out_features,
-                                            self.v_proj.out_features]),
-                             (self.o_proj, [self.o_proj.out_features]),
-                             (self.gate_proj, [self.gate_proj.out_features, self.up_proj.out_features]),
-                             (self.down_proj, [self.down_proj.out_features])):
-            ask = getattr(first.forward, "kernel_weights", None)
-            found = ask(rows) if ask is not None else None
-            if found is None or found[2] != sizes:
-                return None
-            weights.append(found[:2])
+        weights = [kernel_weights(first, rows, sizes) for first, sizes in (
+            (self.q_proj, [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]),
+            (self.o_proj, [self.o_proj.out_features]),
+            (self.gate_proj, [self.gate_proj.out_features, self.up_proj.out_features]),
+            (self.down_proj, [self.down_proj.out_features]))]
+        if None in weights:
+            return None
         length, tokens = cache.get_seq_length(), x.shape[1]
         stores = cache.reserve(length + tokens)
         if stores is None:
@@ -219,6 +215,8 @@ class AugmentLayer(nn.Module):
 class AttentionDecoder(nn.Module):
     """Merges a state with a token embedding through a per-head cosine gate: h + v(e) * cos(q(h), k(e))."""
 
+    shared_input = False  # q reads the state, k and v the embedding: no stacked product (`linears.shared_input_groups`)
+
     def __init__(self, config: CloverConfig) -> None:
         super().__init__()
         h = config.hidden_size
@@ -232,6 +230,13 @@ class AttentionDecoder(nn.Module):
             nn.init.zeros_(self.v_proj.bias)
 
     def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() and bf16_kernel.serves(h):  # drafting in bf16: one call where the products can
+            rows = h.numel() // h.shape[-1]
+            projections = [kernel_weights(p, rows, [p.out_features]) for p in (self.q_proj, self.k_proj, self.v_proj)]
+            out = None if None in projections else bf16_kernel.attention_decoder(
+                h, e, self.norm.weight, self.norm.eps, projections, self.n_heads)
+            if out is not None:
+                return out
         q, k, v = self.q_proj(self.norm(h)), self.k_proj(e), self.v_proj(e)
         if not torch.is_grad_enabled() and h.shape == q.shape == k.shape == v.shape and bf16_kernel.serves(h) and (
                 q.dtype == k.dtype == v.dtype == h.dtype):
@@ -253,6 +258,11 @@ class OutputHead(nn.Module):
         nn.init.zeros_(self.fc.bias)
 
     def forward(self, s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() and bf16_kernel.serves(s):  # drafting in bf16: one call where the product can
+            fc = kernel_weights(self.fc, s.numel() // s.shape[-1], [self.fc.out_features])
+            out = None if fc is None else bf16_kernel.output_head(s, e, fc, self.norm.weight, self.norm.eps)
+            if out is not None:
+                return out
         return self.norm(s + F.silu(self.fc(torch.cat([s, e], dim=-1))))
 
 

@@ -47,6 +47,7 @@ from . import bf16_kernel
 from .base_parts import decoder_layers
 from .cache import GrowingLayer, new_cache
 from .heads import apply_rope
+from .linears import kernel_weights
 
 # transformers' modeling modules whose decoder layer, attention, MLP and RMSNorm the lean forward mirrors, and
 # what each passes its attention function as `sliding_window` (Llama: nothing)
@@ -190,13 +191,9 @@ def _whole_layer(layer: nn.Module) -> Callable[..., torch.Tensor | None] | None:
         if not isinstance(stored, GrowingLayer):
             return None
         rows = x.numel() // x.shape[-1]
-        weights = []
-        for projection, sizes in zip(projections, stacks):
-            ask = getattr(projection.forward, "kernel_weights", None)
-            found = ask(rows) if ask is not None else None
-            if found is None or found[2] != sizes:
-                return None
-            weights.append(found[:2])
+        weights = [kernel_weights(projection, rows, sizes) for projection, sizes in zip(projections, stacks)]
+        if None in weights:
+            return None
         length = stored.get_seq_length()
         stores = stored.reserve(length + x.shape[1]) if x.dim() == 3 else None
         if stores is None:

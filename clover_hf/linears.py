@@ -661,11 +661,14 @@ def shared_input_groups(models: Iterable[nn.Module]) -> list[tuple[nn.Linear, ..
     """Groups of plain sibling linear layers named in SHARED_INPUT, alike in input size, dtype, device
     and bias, whose products one product of their stacked weights computes (in the order named, the
     order a forward calls them). The names only suggest it: `linear_forms` computes a member on its own
-    where it is called with another input than the group's first."""
+    where it is called with another input than the group's first; a module whose class sets `shared_input`
+    False (Clover's Attention Decoder) is known to call them on different inputs."""
     plain_layers = {id(m) for model in models for m in _linears(model)}
     groups, seen = [], set()
     for model in models:
         for parent in model.modules():
+            if not getattr(type(parent), "shared_input", True):
+                continue
             for names in SHARED_INPUT:
                 group = tuple(parent._modules.get(name) for name in names)
                 if not all(m is not None and id(m) in plain_layers for m in group) or id(group[0]) in seen:
@@ -729,6 +732,14 @@ class _Stacked:
             return self(layer, x, form)
 
         return sibling
+
+
+def kernel_weights(layer: nn.Linear, rows: int, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Within `linear_forms`: the tiled copy (`bf16_kernel.tile`) and float32 bias `layer`'s products of `rows` rows
+    compute from, where they hold the outputs of `sizes` (its own, or its stacked group's); else None."""
+    ask = getattr(layer.forward, "kernel_weights", None)
+    found = ask(rows) if ask is not None else None
+    return found[:2] if found is not None and found[2] == sizes else None
 
 
 @contextlib.contextmanager
@@ -796,18 +807,28 @@ def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: Weight
                 by_rows[rows] = compute
             return compute(x)
 
+        biases: dict[int, torch.Tensor] = {}  # float32 copies of the biases handed out, by the bias's id
+
         def kernel_weights(rows: int) -> tuple[torch.Tensor, torch.Tensor | None, list[int]] | None:
-            """The tiled copy (`bf16_kernel.tile`) and bias `m`'s products of `rows` rows compute from here, stacked
-            with its group's where it leads one, and the output sizes of the layers it holds; None where they compute
-            otherwise (another form, no copy, a trial, a group computing apart, or a group's other member)."""
+            """The tiled copy (`bf16_kernel.tile`) and bias (float32) `m`'s products of `rows` rows compute from
+            here, stacked with its group's where it leads one, and the output sizes of the layers it holds; None
+            where they compute otherwise (another form, no copy, a trial, a group computing apart, or a group's
+            other member)."""
             if (kind != TILED or form_for(forms, rows) != TILED
                     or (trials is not None and (rows > PACK_ROWS or not verify_settled) and trials.handles(rows))):
                 return None
             group = stacked.get(id(m))
             if group is not None:
-                return None if group.alone or group.first is not m else (group.copy, group.bias, group.sizes)
-            copy = made.get(id(m))
-            return None if copy is None else (copy, m.bias, [m.out_features])
+                if group.alone or group.first is not m:
+                    return None
+                copy, bias, sizes = group.copy, group.bias, group.sizes
+            else:
+                copy, bias, sizes = made.get(id(m)), m.bias, [m.out_features]
+            if copy is None:
+                return None
+            if bias is not None and id(bias) not in biases:
+                biases[id(bias)] = bias.detach().float().contiguous()
+            return copy, None if bias is None else biases[id(bias)], sizes
 
         forward.kernel_weights = kernel_weights
         return forward

@@ -740,3 +740,33 @@ def test_the_augmenting_blocks_layers_in_one_call_each_are_bitwise_their_calls_o
     want = run()
     assert got[1].shape[2] == T
     assert all(g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_the_output_head_and_attention_decoder_in_one_call_each_round_as_torchs_ops(isa, built, monkeypatch):
+    """Drafting in bf16 with the heads' products in the tiled form: an output head (norm(s + silu(fc([s; e])))) and the
+    Attention Decoder (h + v(e) cos(q(norm(h)), k(e))) are one kernel call each, as close to float64 as torch's bf16
+    ops (which they round as, but for silu's e^-x and the sums' order)."""
+    from clover_hf import CloverForCausalLM
+
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    calls = []
+    for name in ("output_head", "attention_decoder"):
+        real = getattr(bf16_kernel, name)
+        monkeypatch.setattr(bf16_kernel, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    base = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
+    heads = CloverForCausalLM.from_base(base, decoder_bias=True).clover_heads.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in heads.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.3) * torch.randn(p.shape, generator=g))
+    s, e = (torch.randn(3, base.config.hidden_size, generator=g).to(torch.bfloat16) for _ in range(2))
+    for module in (heads.heads[1], heads.regressive):
+        with torch.no_grad():
+            want = module(s, e)
+            exact = copy.deepcopy(module).double()(s.double(), e.double())
+            with linear_forms([heads], {1 << k: TILED for k in range(5)}, WeightCopies(limit=10**9)):
+                got = module(s, e)
+        assert got.dtype == torch.bfloat16 and got.shape == s.shape
+        assert (got.double() - exact).abs().max() <= 1.5 * (want.double() - exact).abs().max() + 2**-7 * exact.abs().max()
+    assert calls == ["output_head", "attention_decoder"]

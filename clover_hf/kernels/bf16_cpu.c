@@ -989,3 +989,46 @@ int bf16_layer(const struct layer_args* a) {
     free(scratch);
     return failed != 0;
 }
+
+/* Clover's output head, out = norm(s + silu(fc([s; e]) + bias)), for R rows of D (s, e, out contiguous rows; fc tiled,
+ * 2D inputs): each step rounded to bf16 as torch's bf16 ops round them (silu's e^-x as `bf16_silu_mul`'s). Returns 1
+ * where memory ran out. */
+int bf16_output_head(const uint16_t* s, const uint16_t* e, const uint16_t* fc, const float* bias, const uint16_t* w,
+                     float eps, uint16_t* out, int R, int D, int threads) {
+    uint16_t* scratch = malloc(sizeof(uint16_t) * (size_t)R * 4 * D);
+    if (!scratch)
+        return 1;
+    uint16_t *both = scratch, *y = both + (size_t)R * 2 * D, *sum = y + (size_t)R * D;
+    for (int r = 0; r < R; r++) {
+        memcpy(both + (size_t)r * 2 * D, s + (size_t)r * D, sizeof(uint16_t) * D);
+        memcpy(both + (size_t)r * 2 * D + D, e + (size_t)r * D, sizeof(uint16_t) * D);
+    }
+    int failed = bf16_rows(both, fc, bias, y, R, 2 * D, D, threads);
+    for (size_t i = 0; i < (size_t)R * D; i++) {
+        float x = bf16_to_float(y[i]);
+        float silu = bf16_to_float(float_to_bf16(x / (1.0f + expf(-x))));
+        sum[i] = float_to_bf16(bf16_to_float(s[i]) + silu);
+    }
+    for (int r = 0; r < R; r++)
+        norm_row(sum + (size_t)r * D, w, out + (size_t)r * D, D, eps);
+    free(scratch);
+    return failed;
+}
+
+/* Clover's Attention Decoder, out = h + v(e) * cos(q(norm(h)), k(e)) per head (`bf16_cosine_gate`), for R rows of D:
+ * the norm, three products (tiled; biases float32 or NULL) and the gate in one call. Returns 1 where memory ran out. */
+int bf16_attention_decoder(const uint16_t* h, const uint16_t* e, const uint16_t* w, float eps, const uint16_t* q_w,
+                           const float* q_b, const uint16_t* k_w, const float* k_b, const uint16_t* v_w,
+                           const float* v_b, uint16_t* out, int R, int D, int heads, int threads) {
+    uint16_t* scratch = malloc(sizeof(uint16_t) * (size_t)R * 4 * D);
+    if (!scratch)
+        return 1;
+    uint16_t *normed = scratch, *q = normed + (size_t)R * D, *k = q + (size_t)R * D, *v = k + (size_t)R * D;
+    bf16_rms_norm(h, w, normed, R, D, eps);
+    int failed = bf16_rows(normed, q_w, q_b, q, R, D, D, threads);
+    failed |= bf16_rows(e, k_w, k_b, k, R, D, D, threads);
+    failed |= bf16_rows(e, v_w, v_b, v, R, D, D, threads);
+    bf16_cosine_gate(h, q, k, v, out, R, heads, D / heads, 1e-8f);
+    free(scratch);
+    return failed != 0;
+}
