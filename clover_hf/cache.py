@@ -67,6 +67,18 @@ class GrowingLayer(DynamicLayer):
             self._inference = self.stores[0].is_inference()
         return self.stores
 
+    def extend(self, layer: bf16_kernel.DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               weights: list, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """`layer`'s output for x (`bf16_kernel.DecoderLayer`), its keys and values for x written into the stores in
+        place after those held; None (nothing done) where this holds no keys yet or the kernel does not take the
+        inputs."""
+        length = self.get_seq_length()
+        stores = self.reserve(length + x.shape[1]) if x.dim() == 3 else None
+        out = None if stores is None else layer(x, cos, sin, weights, *stores, length, mask)
+        if out is not None:
+            self.set_length(length + x.shape[1])
+        return out
+
     def set_length(self, end: int) -> None:
         """Keys and values cut to their first `end` slots (compaction), still views of the stores."""
         self.keys, self.values = self._views = (self.stores[0].narrow(2, 0, end), self.stores[1].narrow(2, 0, end))

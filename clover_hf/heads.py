@@ -21,7 +21,7 @@ from . import bf16_kernel
 from .base_parts import decoder_layers, rms_final_norm
 from .cache import GrowingLayer
 from .config import CloverConfig
-from .linears import LinearForms, kernel_weights, linear
+from .linears import LinearForms, kernel_weights, layer_weights, linear
 from .packing import document_ids
 from .quantized import dense, plain, readable
 
@@ -164,29 +164,18 @@ class AugmentLayer(nn.Module):
         norms = (self.input_layernorm, self.post_attention_layernorm)
         if norms[0].eps != norms[1].eps:
             return None
-        rows = x.numel() // x.shape[-1]
-        weights = [kernel_weights(first, rows, sizes) for first, sizes in (
-            (self.q_proj, [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]),
-            (self.o_proj, [self.o_proj.out_features]),
-            (self.gate_proj, [self.gate_proj.out_features, self.up_proj.out_features]),
-            (self.down_proj, [self.down_proj.out_features]))]
-        if None in weights:
-            return None
-        length, tokens = cache.get_seq_length(), x.shape[1]
-        stores = cache.reserve(length + tokens)
-        if stores is None:
+        weights = layer_weights(x.numel() // x.shape[-1], self.q_proj, self.k_proj, self.v_proj, self.o_proj,
+                                self.gate_proj, self.up_proj, self.down_proj)
+        if weights is None:
             return None
         made = self.__dict__.get("_kernel_layer")
         if made is None or made[0] is not norms[0].weight or made[1] is not norms[1].weight:  # made anew after `.to()`
             layer = bf16_kernel.DecoderLayer(norms[0].weight, norms[1].weight, float(norms[0].eps), self.n_heads,
                                              self.n_kv, self.head_dim, self.head_dim**-0.5)
             made = self.__dict__["_kernel_layer"] = (norms[0].weight, norms[1].weight, layer)
-        mask = _later_keys(tokens, length + tokens, x.dtype).expand(x.shape[0], 1, tokens, length + tokens) if (
-            tokens > 1) else None
-        out = made[2](x, cos, sin, weights, *stores, length, mask)
-        if out is not None:
-            cache.set_length(length + tokens)
-        return out
+        tokens, keys = x.shape[1], cache.get_seq_length() + x.shape[1]
+        mask = _later_keys(tokens, keys, x.dtype).expand(x.shape[0], 1, tokens, keys) if tokens > 1 else None
+        return cache.extend(made[2], x, cos, sin, weights, mask)
 
     def _kernel_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
         """Causal attention of the new positions (B, heads, T, hd) over the cache and themselves, by `bf16_kernel`

@@ -47,7 +47,7 @@ from . import bf16_kernel
 from .base_parts import decoder_layers
 from .cache import GrowingLayer, new_cache
 from .heads import apply_rope
-from .linears import kernel_weights
+from .linears import layer_weights
 
 # transformers' modeling modules whose decoder layer, attention, MLP and RMSNorm the lean forward mirrors, and
 # what each passes its attention function as `sliding_window` (Llama: nothing)
@@ -169,7 +169,7 @@ def _norm(module: nn.Module | None, fused: bool) -> Callable[[torch.Tensor], tor
 def _whole_layer(layer: nn.Module) -> Callable[..., torch.Tensor | None] | None:
     """The decoder layer in one `bf16_kernel.DecoderLayer` call, as a function of (hidden states, mask, position
     embeddings, cache) that returns None (nothing done) where a call is not one it computes: its products not all
-    in the kernel's tiled copies (`linears.linear_forms`' `kernel_weights`: q/k/v and gate/up stacked), or a cache
+    in the kernel's tiled copies (`linears.layer_weights`: q/k/v and gate/up stacked), or a cache
     that is not a growing one holding keys. None where the layer's norms differ in epsilon."""
     attn, mlp = layer.self_attn, layer.mlp
     norm_in, post = layer.input_layernorm, layer.post_attention_layernorm
@@ -179,29 +179,15 @@ def _whole_layer(layer: nn.Module) -> Callable[..., torch.Tensor | None] | None:
     compute = bf16_kernel.DecoderLayer(norm_in.weight, post.weight, float(norm_in.variance_epsilon),
                                        attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim,
                                        head_dim, attn.scaling)
-    projections = (attn.q_proj, attn.o_proj, mlp.gate_proj, mlp.down_proj)
-    stacks = ([attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features], [attn.o_proj.out_features],
-              [mlp.gate_proj.out_features, mlp.up_proj.out_features], [mlp.down_proj.out_features])
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     layer_idx = attn.layer_idx
 
     def run(x: torch.Tensor, mask: torch.Tensor | None, embeddings: tuple, cache) -> torch.Tensor | None:
         if getattr(cache, "offloading", False) or layer_idx >= len(getattr(cache, "layers", ())):
             return None
         stored = cache.layers[layer_idx]
-        if not isinstance(stored, GrowingLayer):
-            return None
-        rows = x.numel() // x.shape[-1]
-        weights = [kernel_weights(projection, rows, sizes) for projection, sizes in zip(projections, stacks)]
-        if None in weights:
-            return None
-        length = stored.get_seq_length()
-        stores = stored.reserve(length + x.shape[1]) if x.dim() == 3 else None
-        if stores is None:
-            return None
-        out = compute(x, *embeddings, weights, *stores, length, mask)
-        if out is not None:
-            stored.set_length(length + x.shape[1])
-        return out
+        weights = layer_weights(x.numel() // x.shape[-1], *projections) if isinstance(stored, GrowingLayer) else None
+        return None if weights is None else stored.extend(compute, x, *embeddings, weights, mask)
 
     return run
 

@@ -742,6 +742,15 @@ def kernel_weights(layer: nn.Linear, rows: int, sizes: list[int]) -> tuple[torch
     return found[:2] if found is not None and found[2] == sizes else None
 
 
+def layer_weights(rows: int, q: nn.Linear, k: nn.Linear, v: nn.Linear, o: nn.Linear, gate: nn.Linear, up: nn.Linear,
+                  down: nn.Linear) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
+    """The tiled copies and biases (`kernel_weights`) a Llama-pattern layer's products of `rows` rows compute from, as
+    `bf16_kernel.DecoderLayer` takes them: q/k/v stacked, o, gate/up stacked, down; None where any computes otherwise."""
+    weights = [kernel_weights(first, rows, [m.out_features for m in group])
+               for first, group in ((q, (q, k, v)), (o, (o,)), (gate, (gate, up)), (down, (down,)))]
+    return None if any(w is None for w in weights) else weights
+
+
 @contextlib.contextmanager
 def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: WeightCopies | None = None,
                  trials=None) -> Iterator[None]:
