@@ -117,16 +117,22 @@ def _built(path: Path, isa: str) -> Path:
 
 
 class LayerArgs(ctypes.Structure):
-    """The C kernel's `struct layer_args`: a decoder layer's weights and sizes, and one call's tensors."""
+    """The C kernel's `struct layer_args`: a decoder layer's weights, sizes and cache stores."""
 
     _fields_ = [*((name, ctypes.c_void_p) for name in (
                     "norm_in", "qkv", "o", "gate_up", "down", "norm_post", "qkv_bias", "o_bias", "gate_up_bias",
                     "down_bias")),
                 *((name, ctypes.c_int) for name in ("D", "Hq", "Hk", "hd", "F")),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("threads", ctypes.c_int),
-                *((name, ctypes.c_void_p) for name in ("x", "cos", "sin", "out", "keys", "values")),
-                ("kv_row", ctypes.c_long), ("kv_head", ctypes.c_long), ("length", ctypes.c_int),
-                ("mask", ctypes.c_void_p), ("mask_bf16", ctypes.c_int), ("B", ctypes.c_int), ("T", ctypes.c_int)]
+                ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("kv_row", ctypes.c_long),
+                ("kv_head", ctypes.c_long)]
+
+
+class StepArgs(ctypes.Structure):
+    """The C kernel's `struct step_args`: what a forward's layers share."""
+
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("x", "cos", "sin", "out")), ("length", ctypes.c_int),
+                ("mask", ctypes.c_void_p), *((name, ctypes.c_int) for name in ("mask_bf16", "B", "T"))]
 
 
 def load(isa: str, cache_dir: Path | None = None) -> ctypes.CDLL:
@@ -159,8 +165,8 @@ def load(isa: str, cache_dir: Path | None = None) -> ctypes.CDLL:
     lib.bf16_silu_mul.restype = None
     lib.bf16_add_rms_norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2 + [ctypes.c_float]
     lib.bf16_add_rms_norm.restype = None
-    lib.bf16_layer.argtypes = [ctypes.POINTER(LayerArgs)]
-    lib.bf16_layer.restype = ctypes.c_int
+    lib.bf16_layers.argtypes = [ctypes.POINTER(ctypes.POINTER(LayerArgs)), ctypes.c_int, ctypes.POINTER(StepArgs)]
+    lib.bf16_layers.restype = ctypes.c_int
     lib.bf16_output_head.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_float, ctypes.c_void_p] + [ctypes.c_int] * 3
     lib.bf16_output_head.restype = ctypes.c_int
     lib.bf16_attention_decoder.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_float] + [ctypes.c_void_p] * 7 + [
@@ -496,11 +502,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
 
 class DecoderLayer:
     """A Llama-pattern decoder layer (RMSNorm, attention over a growing cache, residual; RMSNorm, SwiGLU MLP,
-    residual) of bf16 rows in one call (`bf16_layer`): the same kernel functions the lean layer calls one by one
+    residual) of bf16 rows in one call (`bf16_layers`): the same kernel functions the lean layer calls one by one
     (`rms_norm`, the products, `rope`, `attention`, `add_rms_norm`, `silu_mul`), so bitwise its output, without the
     ~20 torch ops and Python calls around them, which in situ took several times their warm time.
-    Holds the norms' weights and the sizes; each call is given the products' tiled weights (`tile`: the q/k/v and
-    gate/up weights stacked, as `linears.linear_forms` keeps them) and the cache's stores."""
+    Holds the norms' weights and the sizes; it is given the products' tiled weights (`tile`: the q/k/v and gate/up
+    weights stacked, as `linears.linear_forms` keeps them) and the cache's stores (`set_weights`, `set_stores`, or at
+    each call). `DecoderStack` runs several in one call."""
 
     def __init__(self, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float, heads: int, key_heads: int,
                  head_dim: int, scale: float) -> None:
@@ -511,22 +518,42 @@ class DecoderLayer:
         args.eps, args.scale, args.threads = eps, scale, torch.get_num_threads()
         self.tiled: tuple[torch.Tensor, ...] = ()  # the products' weights the args point to, and their float32 biases
         self.biases: tuple[torch.Tensor | None, ...] = ()
+        self.stores: tuple[torch.Tensor, ...] = ()  # the cache stores the args point to
+        self.step = StepArgs()
+        self.pointer = (ctypes.POINTER(LayerArgs) * 1)(ctypes.pointer(args))
 
-    def _set_weights(self, weights: list[tuple[torch.Tensor, torch.Tensor | None]]) -> bool:
-        """Point the args at these (tiled weight, bias) of the q/k/v, o, gate/up and down products; False where their
-        sizes are not the layer's."""
+    def set_weights(self, weights: list[tuple[torch.Tensor, torch.Tensor | None]]) -> bool:
+        """Point the args at these (tiled weight, bias) of the q/k/v, o, gate/up and down products (where they are not
+        those already); False where their sizes are not the layer's."""
+        if len(weights) == 4 == len(self.tiled) and all(w is t for (w, _), t in zip(weights, self.tiled)):
+            return True
         a = self.args
-        (qkv, _), (o, _), (gate_up, _), (down, _) = weights
         shapes = [(t.shape[0] * TILE, t.shape[1] * 2) for t, _ in weights]
-        width = shapes[2][0] // 2
+        width = shapes[2][0] // 2 if len(shapes) == 4 else 0
         if shapes != [((a.Hq + 2 * a.Hk) * a.hd, a.D), (a.D, a.Hq * a.hd), (2 * width, a.D), (a.D, width)] or not all(
                 t.dtype is torch.bfloat16 and t.is_cpu and t.is_contiguous() for t, _ in weights):
+            self.tiled = ()
             return False
         self.tiled = tuple(t for t, _ in weights)
         self.biases = tuple(None if b is None else b.detach().float().contiguous() for _, b in weights)
         a.qkv, a.o, a.gate_up, a.down = (t.data_ptr() for t in self.tiled)
         a.qkv_bias, a.o_bias, a.gate_up_bias, a.down_bias = (None if b is None else b.data_ptr() for b in self.biases)
         a.F = width
+        return True
+
+    def set_stores(self, keys: torch.Tensor, values: torch.Tensor, batch: int, end: int) -> bool:
+        """Point the args at these cache stores (B, key_heads, slots, head_dim), which must hold `end` slots for
+        `batch` rows; False where they are not of that form."""
+        if len(self.stores) == 2 and keys is self.stores[0] and values is self.stores[1]:
+            return end <= keys.shape[2] and keys.shape[0] == batch
+        a, bf16 = self.args, torch.bfloat16
+        if not (keys.dim() == 4 and keys.shape == values.shape and keys.shape[0] == batch and keys.shape[1] == a.Hk
+                and keys.shape[3] == a.hd and end <= keys.shape[2] and keys.dtype is bf16 and values.dtype is bf16
+                and keys.is_contiguous() and values.is_contiguous() and keys.is_cpu and values.is_cpu):
+            self.stores = ()
+            return False
+        self.stores = (keys, values)
+        a.keys, a.values, a.kv_row, a.kv_head = keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1)
         return True
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -536,34 +563,58 @@ class DecoderLayer:
         slots `length` on of the stores `keys` and `values` (B, key_heads, slots, head_dim), under `mask` (B, 1, T,
         length + T) additive, or None for one token that sees every key. None (nothing written) where the inputs are
         not of that form."""
-        a, bf16 = self.args, torch.bfloat16
-        if len(weights) != 4 or any(w is not t for (w, _), t in zip(weights, self.tiled)) or len(self.tiled) != 4:
-            if not self._set_weights(weights):
-                return None
-        batch, tokens = x.shape[0], x.shape[1] if x.dim() == 3 else 0
-        store = (batch, a.Hk, keys.shape[2] if keys.dim() == 4 else 0, a.hd)
-        if not (x.dim() == 3 and x.shape[2] == a.D and x.dtype is bf16 and x.is_cpu and x.is_contiguous()
-                and cos.shape == sin.shape == (batch, tokens, a.hd) and cos.dtype is bf16 and sin.dtype is bf16
-                and keys.shape == values.shape == store and keys.dtype is bf16 and values.dtype is bf16
-                and keys.is_contiguous() and values.is_contiguous() and length + tokens <= store[2]):
+        if x.dim() != 3 or not self.set_weights(weights) or not self.set_stores(keys, values, x.shape[0],
+                                                                                 length + x.shape[1]):
             return None
-        if mask is None:
-            if tokens != 1:
-                return None
-            a.mask, a.mask_bf16 = None, 0
-        else:
-            if mask.dtype not in (bf16, torch.float32) or mask.shape != (batch, 1, tokens, length + tokens) or not mask.is_cpu:
-                return None
-            mask = _contiguous(mask)
-            a.mask, a.mask_bf16 = mask.data_ptr(), int(mask.dtype is bf16)
-        cos, sin = _contiguous(cos), _contiguous(sin)
-        out = torch.empty_like(x)
-        a.x, a.cos, a.sin, a.out, a.keys, a.values = (x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
-                                                      keys.data_ptr(), values.data_ptr())
-        a.kv_row, a.kv_head, a.length, a.B, a.T = keys.stride(0), keys.stride(1), length, batch, tokens
-        if _library.bf16_layer(ctypes.byref(a)):
-            raise MemoryError(f"bf16_kernel: no memory for a decoder layer of {batch * tokens} rows")
-        return out
+        return _run_layers(self.pointer, 1, self.step, x, cos, sin, length, mask, self.args)
+
+
+def _run_layers(pointers, count: int, step: StepArgs, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                length: int, mask: torch.Tensor | None, first: LayerArgs) -> torch.Tensor | None:
+    """The `count` layers whose args `pointers` points to, run one after another on x by `step` (its fields set
+    here), or None where the inputs are not of the form they take (nothing written); `first`: the first layer's args,
+    whose sizes all share."""
+    bf16 = torch.bfloat16
+    batch, tokens = x.shape[0], x.shape[1]
+    if not (x.shape[2] == first.D and x.dtype is bf16 and x.is_cpu and x.is_contiguous()
+            and cos.shape == sin.shape == (batch, tokens, first.hd) and cos.dtype is bf16 and sin.dtype is bf16):
+        return None
+    if mask is None:
+        if tokens != 1:
+            return None
+        step.mask, step.mask_bf16 = None, 0
+    else:
+        if mask.dtype not in (bf16, torch.float32) or mask.shape != (batch, 1, tokens, length + tokens) or not mask.is_cpu:
+            return None
+        mask = _contiguous(mask)
+        step.mask, step.mask_bf16 = mask.data_ptr(), int(mask.dtype is bf16)
+    cos, sin = _contiguous(cos), _contiguous(sin)
+    out = torch.empty_like(x)
+    step.x, step.cos, step.sin, step.out = x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr()
+    step.length, step.B, step.T = length, batch, tokens
+    if _library.bf16_layers(pointers, count, ctypes.byref(step)):
+        raise MemoryError(f"bf16_kernel: no memory for decoder layers of {batch * tokens} rows")
+    return out
+
+
+class DecoderStack:
+    """Decoder layers (`DecoderLayer`s of one size, their weights and stores set) run one after another in one call:
+    a forward's Python work per layer, which in situ took ~90 us of SmolLM2's ~400 a layer (AVX2-only EPYC), once."""
+
+    def __init__(self, layers: list[DecoderLayer]) -> None:
+        self.layers = layers
+        self.pointers = (ctypes.POINTER(LayerArgs) * len(layers))(*(ctypes.pointer(layer.args) for layer in layers))
+        self.step = StepArgs()
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, length: int, mask: torch.Tensor | None
+                 ) -> torch.Tensor | None:
+        """The layers' output for x (B, T, D) by cos and sin (B, T, head_dim), each writing its T new keys and values
+        into its stores from slot `length` on, under `mask` (as `DecoderLayer`); None where the inputs are not of that
+        form (nothing written)."""
+        if x.dim() != 3:
+            return None
+        return _run_layers(self.pointers, len(self.layers), self.step, x, cos, sin, length, mask,
+                           self.layers[0].args) if self.layers else None
 
 
 def _rows_of(x: torch.Tensor, dim: int) -> bool:

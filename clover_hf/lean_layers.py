@@ -166,34 +166,91 @@ def _norm(module: nn.Module | None, fused: bool) -> Callable[[torch.Tensor], tor
     return module.forward
 
 
-def _whole_layer(layer: nn.Module) -> Callable[..., torch.Tensor | None] | None:
-    """The decoder layer in one `bf16_kernel.DecoderLayer` call, as a function of (hidden states, mask, position
+class _WholeLayer:
+    """A decoder layer in one `bf16_kernel.DecoderLayer` call, as a function of (hidden states, mask, position
     embeddings, cache) that returns None (nothing done) where a call is not one it computes: its products not all
-    in the kernel's tiled copies (`linears.layer_weights`: q/k/v and gate/up stacked), or a cache
-    that is not a growing one holding keys. None where the layer's norms differ in epsilon."""
-    attn, mlp = layer.self_attn, layer.mlp
-    norm_in, post = layer.input_layernorm, layer.post_attention_layernorm
-    if float(norm_in.variance_epsilon) != float(post.variance_epsilon):
-        return None
-    head_dim = attn.head_dim
-    compute = bf16_kernel.DecoderLayer(norm_in.weight, post.weight, float(norm_in.variance_epsilon),
-                                       attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim,
-                                       head_dim, attn.scaling)
-    projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    layer_idx = attn.layer_idx
+    in the kernel's tiled copies (`linears.layer_weights`: q/k/v and gate/up stacked), or a cache that is not a
+    growing one holding keys."""
 
-    def run(x: torch.Tensor, mask: torch.Tensor | None, embeddings: tuple, cache) -> torch.Tensor | None:
-        if getattr(cache, "offloading", False) or layer_idx >= len(getattr(cache, "layers", ())):
+    def __init__(self, layer: nn.Module) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        norm_in, post = layer.input_layernorm, layer.post_attention_layernorm
+        head_dim = attn.head_dim
+        self.kernel = bf16_kernel.DecoderLayer(norm_in.weight, post.weight, float(norm_in.variance_epsilon),
+                                               attn.q_proj.out_features // head_dim,
+                                               attn.k_proj.out_features // head_dim, head_dim, attn.scaling)
+        self.projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                            mlp.down_proj)
+        self.layer_idx = attn.layer_idx
+
+    def weights(self, rows: int) -> list | None:
+        return layer_weights(rows, *self.projections)
+
+    def __call__(self, x: torch.Tensor, mask: torch.Tensor | None, embeddings: tuple, cache) -> torch.Tensor | None:
+        if getattr(cache, "offloading", False) or self.layer_idx >= len(getattr(cache, "layers", ())):
             return None
-        stored = cache.layers[layer_idx]
-        weights = layer_weights(x.numel() // x.shape[-1], *projections) if isinstance(stored, GrowingLayer) else None
-        return None if weights is None else stored.extend(compute, x, *embeddings, weights, mask)
-
-    return run
+        stored = cache.layers[self.layer_idx]
+        weights = self.weights(x.numel() // x.shape[-1]) if isinstance(stored, GrowingLayer) else None
+        return None if weights is None else stored.extend(self.kernel, x, *embeddings, weights, mask)
 
 
-def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | None = None, fused: bool = False
-                 ) -> Callable[..., torch.Tensor]:
+def _whole_layer(layer: nn.Module) -> _WholeLayer | None:
+    """The layer as one kernel call, or None where its norms differ in epsilon."""
+    if float(layer.input_layernorm.variance_epsilon) != float(layer.post_attention_layernorm.variance_epsilon):
+        return None
+    return _WholeLayer(layer)
+
+
+class _Stack:
+    """All of a model's decoder layers in one `bf16_kernel.DecoderStack` call, made by the first layer's forward where
+    each layer would run whole (`_WholeLayer`): the layers after it then hand on what they are given, the stack's
+    output (`out`). Per layer Python took ~90 us in situ of a whole layer's ~400 (SmolLM2, AVX2-only EPYC)."""
+
+    def __init__(self) -> None:
+        self.wholes: list[_WholeLayer | None] = []
+        self.stack: bf16_kernel.DecoderStack | None = None
+        self.key: tuple | None = None  # (rows, the first q projection's forward) the weights were last set for
+        self.out: torch.Tensor | None = None
+
+    def add(self, whole: _WholeLayer | None) -> None:
+        self.wholes.append(whole)
+
+    def ready(self, layers: list[nn.Module]) -> None:
+        """Run as one where the layers added are the model's `layers`, in order, each whole."""
+        if self.wholes and len(self.wholes) == len(layers) and all(
+                w is not None and w.layer_idx == i for i, w in enumerate(self.wholes)):
+            self.stack = bf16_kernel.DecoderStack([w.kernel for w in self.wholes])
+
+    def __call__(self, x: torch.Tensor, mask: torch.Tensor | None, embeddings: tuple, cache) -> torch.Tensor | None:
+        """The last layer's output (kept as `out`), or None (nothing done: the layers compute one by one)."""
+        self.out = None
+        stored = getattr(cache, "layers", ())
+        if self.stack is None or getattr(cache, "offloading", False) or len(stored) < len(self.wholes) or x.dim() != 3:
+            return None
+        rows, tokens = x.numel() // x.shape[-1], x.shape[1]
+        key = (rows, self.wholes[0].projections[0].forward)  # a new block of linear forms binds new forwards
+        if key != self.key:
+            self.key = None
+            for whole in self.wholes:
+                weights = whole.weights(rows)
+                if weights is None or not whole.kernel.set_weights(weights):
+                    return None
+            self.key = key
+        length = stored[0].get_seq_length()
+        for whole, layer in zip(self.wholes, stored):
+            stores = layer.reserve(length + tokens) if (
+                isinstance(layer, GrowingLayer) and layer.get_seq_length() == length) else None
+            if stores is None or not whole.kernel.set_stores(*stores, x.shape[0], length + tokens):
+                return None
+        self.out = self.stack(x, *embeddings, length, mask)
+        if self.out is not None:
+            for layer in stored[: len(self.wholes)]:
+                layer.set_length(length + tokens)
+        return self.out
+
+
+def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | None = None, fused: bool = False,
+                 stack: _Stack | None = None) -> Callable[..., torch.Tensor]:
     """The decoder layer's forward as one function over its parts (see the module's docstring); `pack`: in half
     precision one query token attends packed, and so do up to PACK_QUERIES over PACK_KEYS keys or more, their
     mask repeated by `masks` (one for all of a model's layers; None: the layer's own); `fused`: bf16 RMSNorms
@@ -226,9 +283,13 @@ def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | Non
     # the kernel's attention stands in for SDPA's or eager attention (the same softmax(q k^T * scaling + mask) v), with
     # a mask, or for one token without (it sees every key; several would need the causal mask SDPA implies)
     attend = bf16_kernel.attention if kernel and attention in (sdpa_attention_forward, eager) else None
-    # the whole layer in one call where each of its parts has a kernel call of its own
+    # the whole layer in one call where each of its parts has a kernel call of its own, and all the model's layers in
+    # one from the first where they all do (`stack`)
     whole = (_whole_layer(layer) if attend is not None and silu_mul is not None and add_norm is not None
              and q_norm is None and not extra.get("sliding_window") else None)
+    first = stack is not None and not stack.wholes
+    if stack is not None:
+        stack.add(whole)
 
     def torchs_attention(query, key, value, attention_mask, kwargs) -> torch.Tensor:
         """(B, T, heads, head_dim): SDPA, packed or over shared key/value heads (above), else the config's function."""
@@ -243,6 +304,12 @@ def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | Non
                 position_embeddings=None, past_key_values=None, **kwargs) -> torch.Tensor:
         cache = cache if cache is not None else past_key_values
         if whole is not None and cache is not None and position_embeddings is not None:
+            if first:
+                out = stack(hidden_states, attention_mask, position_embeddings, cache)
+                if out is not None:
+                    return out
+            elif stack is not None and hidden_states is stack.out:
+                return hidden_states  # the first layer ran them all
             out = whole(hidden_states, attention_mask, position_embeddings, cache)
             if out is not None:
                 return out
@@ -310,7 +377,7 @@ def lean_layers(model: nn.Module, pack: bool = False) -> Iterator[int]:
     layers = list(decoder_layers(model) or [])
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         layers = []
-    chosen, masks = [], _PackedMasks()
+    chosen, masks, stack = [], _PackedMasks(), _Stack() if pack else None
     for layer in layers:
         if lean_reason(layer) is not None:
             continue
@@ -322,8 +389,10 @@ def lean_layers(model: nn.Module, pack: bool = False) -> Iterator[int]:
                 warnings.warn(f"clover-hf's lean forward of {type(layer).__name__} does not match this transformers "
                               "version's; its layers run their own forward (slower)", stacklevel=3)
         if _checked[key]:
-            layer.forward = lean_forward(layer, pack, masks, fused=pack)
+            layer.forward = lean_forward(layer, pack, masks, fused=pack, stack=stack)
             chosen.append(layer)
+    if stack is not None:
+        stack.ready(layers)
     try:
         yield len(chosen)
     finally:

@@ -646,26 +646,23 @@ def test_the_residual_sum_and_its_norm_in_one_call_are_torchs_add_and_the_fused_
 @pytest.mark.parametrize("arch,batch", [("llama", 1), ("qwen2", 1), ("llama", 2)])
 def test_a_whole_decoder_layer_in_one_call_is_bitwise_its_calls_one_by_one(arch, batch, isa, built, monkeypatch):
     """With every product in the tiled form (q/k/v, with qwen2's biases, and gate/up stacked) over a growing cache, a
-    bf16 decoder layer runs as one kernel call for a masked forward of 3 tokens a row and a one-token one without a mask:
-    logits and cached keys and values bitwise those of its kernel calls one by one. A causal prefill without a mask,
-    and products in other forms, leave it to those calls."""
+    bf16 model's decoder layers run as one kernel call all together (or, the stack off, one a layer) for a masked
+    forward of 3 tokens a row and a one-token one without a mask: logits and cached keys and values bitwise those of
+    their kernel calls one by one. A causal prefill without a mask, and products in other forms, leave it to those
+    calls."""
     import clover_hf.lean_layers as lean
     from clover_hf.cache import new_cache
 
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
-    whole_calls = []
-    real_whole = lean._whole_layer
-
-    def counted(layer):
-        run = real_whole(layer)
-        def recorded(*args):
-            out = run(*args)
+    calls = []
+    for kind in (lean._WholeLayer, lean._Stack):
+        def recorded(self, x, *args, _real=kind.__call__, _kind=kind.__name__):
+            out = _real(self, x, *args)
             if out is not None:
-                whole_calls.append(args[0].shape[1])
+                calls.append((_kind, x.shape[1]))
             return out
 
-        return None if run is None else recorded
-
+        monkeypatch.setattr(kind, "__call__", recorded)
     model = tiny_model(arch, dtype=torch.bfloat16, head_dim=32)
     ids = torch.randint(0, 256, (batch, 10))
     later = torch.ones(3, 9, dtype=torch.bool).triu(7)  # 3 new tokens over 6 cached: causal among themselves
@@ -673,6 +670,7 @@ def test_a_whole_decoder_layer_in_one_call_is_bitwise_its_calls_one_by_one(arch,
     mask[1:, :, 1:, 7] = torch.finfo(torch.bfloat16).min  # other rows: a tree, not a chain
 
     def run(forms):
+        calls.clear()
         copies = WeightCopies(limit=10**9)
         with torch.no_grad(), lean.lean_layers(model, pack=True), linear_forms([model], forms, copies):
             cache = new_cache()
@@ -683,14 +681,15 @@ def test_a_whole_decoder_layer_in_one_call_is_bitwise_its_calls_one_by_one(arch,
         return [first, three, one, *(t for layer in cache.layers for t in (layer.keys, layer.values))]
 
     tiled = {1 << k: TILED for k in range(5)}
-    monkeypatch.setattr(lean, "_whole_layer", counted)
     got = run(tiled)
-    assert sorted(whole_calls) == [1, 1, 3, 3]  # both layers, the masked forward and the one-token one
-    whole_calls.clear()
-    assert all(torch.equal(g, w) for g, w in zip(run({**tiled, batch: "linear"}), got[:1])) and sorted(whole_calls) == [3, 3]
-    monkeypatch.setattr(lean, "_whole_layer", lambda layer: None)
+    assert calls == [("_Stack", 3), ("_Stack", 1)]  # both layers in one call, the masked forward and the one-token one
+    assert all(torch.equal(g, w) for g, w in zip(run({**tiled, batch: "linear"}), got[:1])) and calls == [("_Stack", 3)]
+    monkeypatch.setattr(lean._Stack, "ready", lambda self, layers: None)  # one call a layer
+    assert all(g.shape == w.shape and torch.equal(g, w) for g, w in zip(run(tiled), got))
+    assert calls == [("_WholeLayer", 3)] * 2 + [("_WholeLayer", 1)] * 2
+    monkeypatch.setattr(lean, "_whole_layer", lambda layer: None)  # the kernel's calls one by one
     want = run(tiled)
-    assert got[3].shape == (batch, 2, 10, 32)
+    assert got[3].shape == (batch, 2, 10, 32) and not calls
     for g, w in zip(got, want):
         assert g.shape == w.shape and torch.equal(g, w)
 

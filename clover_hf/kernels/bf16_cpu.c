@@ -933,30 +933,34 @@ void bf16_silu_mul(const uint16_t* g, long g_row, const uint16_t* u, long u_row,
     }
 }
 
-/* A Llama-pattern decoder layer (RMSNorm, attention over a KV cache, residual; RMSNorm, SwiGLU MLP, residual) for B
- * rows of T tokens, in one call of the functions above, as the lean decoder layer calls them one by one: in situ
- * each of the ~20 torch ops and calls around them took several times its warm time. Weights as the products take
- * them (the q/k/v and gate/up weights stacked, each tiled); biases float32 or NULL. */
+/* Llama-pattern decoder layers (RMSNorm, attention over a KV cache, residual; RMSNorm, SwiGLU MLP, residual) for B
+ * rows of T tokens, one after another in one call of the functions above, as the lean decoder layer calls them one
+ * by one: in situ each of the ~20 torch ops and calls around them took several times its warm time. A layer's
+ * weights as the products take them (the q/k/v and gate/up weights stacked, each tiled); biases float32 or NULL. */
 struct layer_args {
     const uint16_t *norm_in, *qkv, *o, *gate_up, *down, *norm_post;
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
     int D, Hq, Hk, hd, F; /* hidden size, query heads, key/value heads, head size, MLP width */
     float eps, scale;
     int threads;
-    /* the call's: x and out (B, T, D); cos, sin (B, T, hd); keys, values: stores (B, Hk, slots, hd) whose batch rows
-     * and heads lie kv_row and kv_head values apart, holding `length` slots, the T new ones written after them; mask
-     * (B, 1, T, length + T) additive, float32 (mask_bf16 0) or bf16 (1), or NULL where each token sees every key */
-    const uint16_t *x, *cos, *sin;
-    uint16_t *out, *keys, *values;
+    /* its cache's stores (B, Hk, slots, hd), batch rows and heads kv_row and kv_head values apart, holding the step's
+     * `length` slots: its T new keys and values are written after them */
+    uint16_t *keys, *values;
     long kv_row, kv_head;
+};
+
+/* what the step's layers share: x and out (B, T, D); cos, sin (B, T, hd); mask (B, 1, T, length + T) additive,
+ * float32 (mask_bf16 0) or bf16 (1), or NULL where each token sees every key */
+struct step_args {
+    const uint16_t *x, *cos, *sin;
+    uint16_t* out;
     int length;
     const void* mask;
     int mask_bf16, B, T;
 };
 
-/* Returns 1 where memory ran out (nothing written but keys and values past `length`). */
-int bf16_layer(const struct layer_args* a) {
-    int R = a->B * a->T, D = a->D, hd = a->hd, q_out = a->Hq * hd, qkv_out = (a->Hq + 2 * a->Hk) * hd;
+static int decoder_layer(const struct layer_args* a, const struct step_args* st, const uint16_t* x, uint16_t* out) {
+    int R = st->B * st->T, D = a->D, hd = a->hd, q_out = a->Hq * hd, qkv_out = (a->Hq + 2 * a->Hk) * hd;
     size_t rows = (size_t)R;
     uint16_t* scratch = malloc(sizeof(uint16_t) * rows * (4 * (size_t)D + qkv_out + 2 * (size_t)q_out
                                                           + (size_t)a->Hk * hd + 3 * (size_t)a->F));
@@ -966,28 +970,43 @@ int bf16_layer(const struct layer_args* a) {
     uint16_t *att = k + rows * a->Hk * hd, *summed = att + rows * q_out, *mixed_in = summed + rows * D;
     uint16_t *gate_up = mixed_in + rows * D, *mixed = gate_up + rows * 2 * a->F, *mlp = mixed + rows * a->F;
     int failed = 0;
-    bf16_rms_norm(a->x, a->norm_in, h, R, D, a->eps);
+    bf16_rms_norm(x, a->norm_in, h, R, D, a->eps);
     failed |= bf16_rows(h, a->qkv, a->qkv_bias, qkv, R, D, qkv_out, a->threads);
-    bf16_rope(qkv, qkv_out, qkv + q_out, qkv_out, a->cos, a->sin, q, k, a->B, a->T, a->Hq, a->Hk, hd);
-    for (int b = 0; b < a->B; b++)
+    bf16_rope(qkv, qkv_out, qkv + q_out, qkv_out, st->cos, st->sin, q, k, st->B, st->T, a->Hq, a->Hk, hd);
+    for (int b = 0; b < st->B; b++)
         for (int g = 0; g < a->Hk; g++)
-            for (int t = 0; t < a->T; t++) {
-                size_t slot = (size_t)b * a->kv_row + (size_t)g * a->kv_head + (size_t)(a->length + t) * hd;
-                memcpy(a->keys + slot, k + (((size_t)b * a->Hk + g) * a->T + t) * hd, sizeof(uint16_t) * hd);
-                memcpy(a->values + slot, qkv + ((size_t)b * a->T + t) * qkv_out + q_out + (size_t)(a->Hk + g) * hd,
+            for (int t = 0; t < st->T; t++) {
+                size_t slot = (size_t)b * a->kv_row + (size_t)g * a->kv_head + (size_t)(st->length + t) * hd;
+                memcpy(a->keys + slot, k + (((size_t)b * a->Hk + g) * st->T + t) * hd, sizeof(uint16_t) * hd);
+                memcpy(a->values + slot, qkv + ((size_t)b * st->T + t) * qkv_out + q_out + (size_t)(a->Hk + g) * hd,
                        sizeof(uint16_t) * hd);
             }
-    failed |= bf16_attention(q, a->keys, a->values, a->kv_row, a->kv_head, a->mask, a->mask_bf16, att, a->B, a->Hq,
-                             a->Hk, a->T, a->length + a->T, hd, a->scale, a->threads);
+    failed |= bf16_attention(q, a->keys, a->values, a->kv_row, a->kv_head, st->mask, st->mask_bf16, att, st->B, a->Hq,
+                             a->Hk, st->T, st->length + st->T, hd, a->scale, a->threads);
     failed |= bf16_rows(att, a->o, a->o_bias, h, R, q_out, D, a->threads);
-    bf16_add_rms_norm(a->x, h, summed, a->norm_post, mixed_in, R, D, a->eps);
+    bf16_add_rms_norm(x, h, summed, a->norm_post, mixed_in, R, D, a->eps);
     failed |= bf16_rows(mixed_in, a->gate_up, a->gate_up_bias, gate_up, R, D, 2 * a->F, a->threads);
     bf16_silu_mul(gate_up, 2 * a->F, gate_up + a->F, 2 * a->F, mixed, R, a->F);
     failed |= bf16_rows(mixed, a->down, a->down_bias, mlp, R, a->F, D, a->threads);
     for (size_t i = 0; i < rows * D; i++)
-        a->out[i] = float_to_bf16(bf16_to_float(summed[i]) + bf16_to_float(mlp[i]));
+        out[i] = float_to_bf16(bf16_to_float(summed[i]) + bf16_to_float(mlp[i]));
     free(scratch);
     return failed != 0;
+}
+
+/* The n layers, each the next one's input, from st->x to st->out (all of one hidden size). Returns 1 where memory ran
+ * out (then the keys and values past `length` may be written). */
+int bf16_layers(const struct layer_args* const* layers, int n, const struct step_args* st) {
+    size_t size = (size_t)st->B * st->T * layers[0]->D;
+    uint16_t* between = n > 1 ? malloc(sizeof(uint16_t) * size * 2) : NULL;
+    if (n > 1 && !between)
+        return 1;
+    int failed = 0;
+    for (int i = 0; i < n && !failed; i++)
+        failed = decoder_layer(layers[i], st, i == 0 ? st->x : between + size * ((i - 1) % 2),
+                               i == n - 1 ? st->out : between + size * (i % 2));
+    free(between);
+    return failed;
 }
 
 /* Clover's output head, out = norm(s + silu(fc([s; e]) + bias)), for R rows of D (s, e, out contiguous rows; fc tiled,
