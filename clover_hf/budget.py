@@ -34,7 +34,7 @@ import torch
 from . import bf16_kernel
 from .hardware import available_memory, cpu_capability, cpu_name
 from .form_trials import FormTrials, row_bucket
-from .linears import COPIES, ONE_ROW_GAIN, PACK_ROWS, WeightCopies, copy_form, form_for
+from .linears import COPIES, ONE_ROW_GAIN, PACK_ROWS, WeightCopies, copy_form, evident_forms, form_for
 from .quantized import quantization
 from .user_cache import default_cache_dir
 from .verify_forward import bucket
@@ -697,13 +697,23 @@ class DraftBudget:
         be made in this process (the trials make them while the call is ahead of plain `generate`: made all at
         once, SmolLM2's took 110 ms, half a short call), and the call may measure (calibrate None); else None
         (the forms come from `forms`). CPU only. One `FormTrials` serves the calls of a process until every
-        row count has settled and its copies are made; its forms are stored after each call (`keep_learnt`)."""
+        row count has settled and its copies are made; its forms are stored after each call (`keep_learnt`).
+        Where the forms are evident (`linears.evident_forms`), they are stored as they are and nothing is learnt."""
         if self.fixed is not None or calibrate is not None:
             return None
         costs = self.stored(key)
         if costs.forms is not None and not costs.pending and (copy_form(costs.forms) is None or key in self._provided):
             return None
         if next(models[0].parameters()).device.type != "cpu":
+            return None
+        evident = evident_forms(models, self.copy_limit())
+        if evident is not None:  # nothing to learn: the forms' copies are made as the call starts (`linear_forms`)
+            if costs.forms != evident or costs.pending:
+                self.share_forms(key, evident)
+                costs.pending, costs.fallbacks = None, None
+                save_costs(key, costs, self.cache_dir)
+            self._trials.pop(key, None)
+            self._provided.add(key)
             return None
         trials = self._trials.get(key)
         if trials is None or not trials.serves(models):
