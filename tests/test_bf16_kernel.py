@@ -769,3 +769,28 @@ def test_the_output_head_and_attention_decoder_in_one_call_each_round_as_torchs_
         assert got.dtype == torch.bfloat16 and got.shape == s.shape
         assert (got.double() - exact).abs().max() <= 1.5 * (want.double() - exact).abs().max() + 2**-7 * exact.abs().max()
     assert calls == ["output_head", "attention_decoder"]
+
+
+@needs_kernel
+def test_where_torch_has_no_bf16_products_a_first_call_takes_the_tiled_forms_without_trials(tmp_path, monkeypatch):
+    """bf16 on a CPU whose torch converts bf16 around each product, with the kernel built: the forms are the kernel's
+    tiled copies at every row count from the first call (stored, nothing pending), no form trials run, and the copies
+    are made; where oneDNN computes bf16, or in float32, the forms are learnt as before."""
+    import clover_hf.linears as linears
+    from clover_hf import CloverForCausalLM, DraftBudget
+    from clover_hf.budget import load_costs
+
+    from .tiny import prompt
+
+    monkeypatch.setattr(linears, "onednn_serves", lambda dtype: False)
+    clover = CloverForCausalLM.from_base(tiny_model("llama", dtype=torch.bfloat16))
+    budget = DraftBudget(cache_dir=tmp_path)
+    clover.generate(prompt(4), max_new_tokens=8, do_sample=False, budget=budget)
+    (key, costs), = budget._costs.items()
+    assert costs.forms == {1 << k: TILED for k in range(9)} and not costs.pending and not budget._trials
+    assert budget.copies.nbytes > 0 and load_costs(key, tmp_path).forms == costs.forms
+    assert linears.evident_forms([clover.base_model], 0) is None  # the copies must fit
+    monkeypatch.setattr(linears, "onednn_serves", lambda dtype: True)
+    assert linears.evident_forms([clover.base_model], 10**9) is None
+    monkeypatch.setattr(linears, "onednn_serves", lambda dtype: False)
+    assert linears.evident_forms([tiny_model("llama")], 10**9) is None  # float32
