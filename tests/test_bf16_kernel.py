@@ -433,26 +433,33 @@ def test_lean_layers_attend_in_the_kernel_only_where_asked_in_bf16(arch, monkeyp
             assert not calls and all(torch.equal(g, w) for g, w in zip(got, want))
 
 
+def _random_bf16_heads(norms: float = 0.0, **config):
+    """A tiny bf16 Llama base and Clover heads (`config`: their options) of random weights, 0.3 x normal (the norms
+    `norms` x normal where given, else ones), and the generator that drew them."""
+    from clover_hf import CloverForCausalLM
+
+    base = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
+    heads = CloverForCausalLM.from_base(base, **config).clover_heads.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in heads.named_parameters():
+            if "norm" not in name or norms:
+                p.copy_((norms if "norm" in name else 0.3) * torch.randn(p.shape, generator=g))
+    return base, heads, g
+
+
 def test_the_heads_draft_in_bf16_through_the_kernel_as_close_as_bf16_rounds(monkeypatch):
     """Without gradients in bf16 the heads' norms, rotary embedding and attention run in the kernel: the Augmenting
     Block's features, a few positions at a time over its cache, stay as close to float32's as torch's bf16 operations
     over the whole sequence at once (what training computes), give or take bf16 rounding. The Attention Decoder's gate
     runs in the kernel too."""
-    from clover_hf import CloverForCausalLM
-
     if not _kernel_attends():
         pytest.skip("no kernel on this CPU")
     calls = _record_attention(monkeypatch)
     gates = []
     real_gate = bf16_kernel.cosine_gate
     monkeypatch.setattr(bf16_kernel, "cosine_gate", lambda h, *args: gates.append(h.shape[1]) or real_gate(h, *args))
-    base = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
-    heads = CloverForCausalLM.from_base(base).clover_heads.to(torch.bfloat16)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in heads.named_parameters():
-            if "norm" not in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    base, heads, g = _random_bf16_heads()
     T, H = 23, base.config.hidden_size
     hidden, embeds = (torch.randn(1, T, H, generator=g).to(torch.bfloat16) for _ in range(2))
     positions = torch.arange(T)[None]
@@ -699,17 +706,10 @@ def test_the_augmenting_blocks_layers_in_one_call_each_are_bitwise_their_calls_o
     """Drafting in bf16 with the heads' products in the tiled form, each Augmenting Block layer extends its cache as
     one kernel call once the cache holds keys (not for the first positions): the features and the cached keys and
     values bitwise those of its calls one by one, a few positions at a time."""
-    from clover_hf import CloverForCausalLM
     from clover_hf.heads import AugmentLayer
 
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
-    base = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
-    heads = CloverForCausalLM.from_base(base).clover_heads.to(torch.bfloat16)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in heads.named_parameters():
-            if "norm" not in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    base, heads, g = _random_bf16_heads()
     T, H = 23, base.config.hidden_size
     hidden, embeds = (torch.randn(1, T, H, generator=g).to(torch.bfloat16) for _ in range(2))
     positions = torch.arange(T)[None]
@@ -746,19 +746,13 @@ def test_the_output_head_and_attention_decoder_in_one_call_each_round_as_torchs_
     """Drafting in bf16 with the heads' products in the tiled form: an output head (norm(s + silu(fc([s; e])))) and the
     Attention Decoder (h + v(e) cos(q(norm(h)), k(e))) are one kernel call each, as close to float64 as torch's bf16
     ops (which they round as, but for silu's e^-x and the sums' order)."""
-    from clover_hf import CloverForCausalLM
 
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     calls = []
     for name in ("output_head", "attention_decoder"):
         real = getattr(bf16_kernel, name)
         monkeypatch.setattr(bf16_kernel, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
-    base = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
-    heads = CloverForCausalLM.from_base(base, decoder_bias=True).clover_heads.to(torch.bfloat16)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in heads.named_parameters():
-            p.copy_((1.0 if "norm" in name else 0.3) * torch.randn(p.shape, generator=g))
+    base, heads, g = _random_bf16_heads(norms=1.0, decoder_bias=True)
     s, e = (torch.randn(3, base.config.hidden_size, generator=g).to(torch.bfloat16) for _ in range(2))
     for module in (heads.heads[1], heads.regressive):
         with torch.no_grad():
