@@ -746,7 +746,6 @@ def test_the_output_head_and_attention_decoder_in_one_call_each_round_as_torchs_
     """Drafting in bf16 with the heads' products in the tiled form: an output head (norm(s + silu(fc([s; e])))) and the
     Attention Decoder (h + v(e) cos(q(norm(h)), k(e))) are one kernel call each, as close to float64 as torch's bf16
     ops (which they round as, but for silu's e^-x and the sums' order)."""
-
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     calls = []
     for name in ("output_head", "attention_decoder"):
