@@ -103,6 +103,11 @@ def _later_keys(tokens: int, keys: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.full((tokens, keys), torch.finfo(dtype).min, dtype=dtype).triu(keys - tokens + 1)
 
 
+# each Augmenting Block layer's `bf16_kernel.DecoderLayer` (with the norm weights it was made for), kept outside the
+# module: its ctypes pointers would stop the module from being copied or pickled
+_KERNEL_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class AugmentLayer(nn.Module):
     """A pre-norm decoder layer (GQA self-attention with RoPE, SwiGLU MLP) with an explicit cache."""
 
@@ -168,11 +173,11 @@ class AugmentLayer(nn.Module):
                                 self.gate_proj, self.up_proj, self.down_proj)
         if weights is None:
             return None
-        made = self.__dict__.get("_kernel_layer")
+        made = _KERNEL_LAYERS.get(self)
         if made is None or made[0] is not norms[0].weight or made[1] is not norms[1].weight:  # made anew after `.to()`
             layer = bf16_kernel.DecoderLayer(norms[0].weight, norms[1].weight, float(norms[0].eps), self.n_heads,
                                              self.n_kv, self.head_dim, self.head_dim**-0.5)
-            made = self.__dict__["_kernel_layer"] = (norms[0].weight, norms[1].weight, layer)
+            made = _KERNEL_LAYERS[self] = (norms[0].weight, norms[1].weight, layer)
         tokens, keys = x.shape[1], cache.get_seq_length() + x.shape[1]
         mask = _later_keys(tokens, keys, x.dtype).expand(x.shape[0], 1, tokens, keys) if tokens > 1 else None
         return cache.extend(made[2], x, cos, sin, weights, mask)

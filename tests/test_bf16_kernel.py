@@ -705,7 +705,7 @@ def test_a_whole_decoder_layer_in_one_call_is_bitwise_its_calls_one_by_one(arch,
 def test_the_augmenting_blocks_layers_in_one_call_each_are_bitwise_their_calls_one_by_one(isa, built, monkeypatch):
     """Drafting in bf16 with the heads' products in the tiled form, each Augmenting Block layer extends its cache as
     one kernel call once the cache holds keys (not for the first positions): the features and the cached keys and
-    values bitwise those of its calls one by one, a few positions at a time."""
+    values bitwise those of its calls one by one, a few positions at a time; the heads can still be copied."""
     from clover_hf.heads import AugmentLayer
 
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
@@ -735,6 +735,7 @@ def test_the_augmenting_blocks_layers_in_one_call_each_are_bitwise_their_calls_o
     monkeypatch.setattr(AugmentLayer, "_whole_layer", recorded)
     got = run()
     assert whole_calls == [size for size in (1, 3, 1, 5, 4) for _ in heads.augment]
+    copy.deepcopy(heads)  # the kernel's layer is kept outside the module: copying it still works
     monkeypatch.setattr(AugmentLayer, "_whole_layer", lambda self, *args: None)
     want = run()
     assert got[1].shape[2] == T
