@@ -519,8 +519,7 @@ class DecoderLayer:
         self.tiled: tuple[torch.Tensor, ...] = ()  # the products' weights the args point to, and their float32 biases
         self.biases: tuple[torch.Tensor | None, ...] = ()
         self.stores: tuple[torch.Tensor, ...] = ()  # the cache stores the args point to
-        self.step = StepArgs()
-        self.pointer = (ctypes.POINTER(LayerArgs) * 1)(ctypes.pointer(args))
+        self.alone = DecoderStack([self])  # this layer's calls by itself
 
     def set_weights(self, weights: list[tuple[torch.Tensor, torch.Tensor | None]]) -> bool:
         """Point the args at these (tiled weight, bias) of the q/k/v, o, gate/up and down products (where they are not
@@ -566,35 +565,7 @@ class DecoderLayer:
         if x.dim() != 3 or not self.set_weights(weights) or not self.set_stores(keys, values, x.shape[0],
                                                                                  length + x.shape[1]):
             return None
-        return _run_layers(self.pointer, 1, self.step, x, cos, sin, length, mask, self.args)
-
-
-def _run_layers(pointers, count: int, step: StepArgs, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                length: int, mask: torch.Tensor | None, first: LayerArgs) -> torch.Tensor | None:
-    """The `count` layers whose args `pointers` points to, run one after another on x by `step` (its fields set
-    here), or None where the inputs are not of the form they take (nothing written); `first`: the first layer's args,
-    whose sizes all share."""
-    bf16 = torch.bfloat16
-    batch, tokens = x.shape[0], x.shape[1]
-    if not (x.shape[2] == first.D and x.dtype is bf16 and x.is_cpu and x.is_contiguous()
-            and cos.shape == sin.shape == (batch, tokens, first.hd) and cos.dtype is bf16 and sin.dtype is bf16):
-        return None
-    if mask is None:
-        if tokens != 1:
-            return None
-        step.mask, step.mask_bf16 = None, 0
-    else:
-        if mask.dtype not in (bf16, torch.float32) or mask.shape != (batch, 1, tokens, length + tokens) or not mask.is_cpu:
-            return None
-        mask = _contiguous(mask)
-        step.mask, step.mask_bf16 = mask.data_ptr(), int(mask.dtype is bf16)
-    cos, sin = _contiguous(cos), _contiguous(sin)
-    out = torch.empty_like(x)
-    step.x, step.cos, step.sin, step.out = x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr()
-    step.length, step.B, step.T = length, batch, tokens
-    if _library.bf16_layers(pointers, count, ctypes.byref(step)):
-        raise MemoryError(f"bf16_kernel: no memory for decoder layers of {batch * tokens} rows")
-    return out
+        return self.alone(x, cos, sin, length, mask)
 
 
 class DecoderStack:
@@ -611,10 +582,30 @@ class DecoderStack:
         """The layers' output for x (B, T, D) by cos and sin (B, T, head_dim), each writing its T new keys and values
         into its stores from slot `length` on, under `mask` (as `DecoderLayer`); None where the inputs are not of that
         form (nothing written)."""
-        if x.dim() != 3:
+        if x.dim() != 3 or not self.layers:
             return None
-        return _run_layers(self.pointers, len(self.layers), self.step, x, cos, sin, length, mask,
-                           self.layers[0].args) if self.layers else None
+        first, step, bf16 = self.layers[0].args, self.step, torch.bfloat16
+        batch, tokens = x.shape[0], x.shape[1]
+        if not (x.shape[2] == first.D and x.dtype is bf16 and x.is_cpu and x.is_contiguous()
+                and cos.shape == sin.shape == (batch, tokens, first.hd) and cos.dtype is bf16 and sin.dtype is bf16):
+            return None
+        if mask is None:
+            if tokens != 1:
+                return None
+            step.mask, step.mask_bf16 = None, 0
+        else:
+            if mask.dtype not in (bf16, torch.float32) or mask.shape != (batch, 1, tokens, length + tokens) or (
+                    not mask.is_cpu):
+                return None
+            mask = _contiguous(mask)
+            step.mask, step.mask_bf16 = mask.data_ptr(), int(mask.dtype is bf16)
+        cos, sin = _contiguous(cos), _contiguous(sin)
+        out = torch.empty_like(x)
+        step.x, step.cos, step.sin, step.out = x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr()
+        step.length, step.B, step.T = length, batch, tokens
+        if _library.bf16_layers(self.pointers, len(self.layers), ctypes.byref(step)):
+            raise MemoryError(f"bf16_kernel: no memory for decoder layers of {batch * tokens} rows")
+        return out
 
 
 def _rows_of(x: torch.Tensor, dim: int) -> bool:

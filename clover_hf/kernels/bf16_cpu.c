@@ -906,6 +906,12 @@ void top_probs(const uint16_t* x, int R, int n, int k, int64_t* idx, float* prob
     }
 }
 
+/* silu(x) = x / (1 + e^-x) in float32, rounded to bf16 as torch's bf16 silu rounds it (e^-x by the C library's expf:
+ * a last bit may differ from torch's) */
+static float silu_rounded(float x) {
+    return bf16_to_float(float_to_bf16(x / (1.0f + expf(-x))));
+}
+
 /* out = bf16(bf16(silu(g)) * u) over R rows of n bf16 values, rows of g, u and out `g_row`, `u_row` and n apart:
  * a SwiGLU MLP's act_fn(gate) * up as torch computes it in bf16 (silu x / (1 + e^-x) in float32, rounded, then the
  * product rounded), but for e^-x, within 2 ulp of torch's: in one call, where torch's two ops and the gate's
@@ -927,8 +933,7 @@ void bf16_silu_mul(const uint16_t* g, long g_row, const uint16_t* u, long u_row,
         }
         for (; i < n; i++) {
             float x = bf16_to_float(gr[i]);
-            float s = bf16_to_float(float_to_bf16(x / (1.0f + expf(-x))));
-            o[i] = float_to_bf16(s * bf16_to_float(ur[i]));
+            o[i] = float_to_bf16(silu_rounded(x) * bf16_to_float(ur[i]));
         }
     }
 }
@@ -1010,8 +1015,8 @@ int bf16_layers(const struct layer_args* const* layers, int n, const struct step
 }
 
 /* Clover's output head, out = norm(s + silu(fc([s; e]) + bias)), for R rows of D (s, e, out contiguous rows; fc tiled,
- * 2D inputs): each step rounded to bf16 as torch's bf16 ops round them (silu's e^-x as `bf16_silu_mul`'s). Returns 1
- * where memory ran out. */
+ * 2D inputs): each step rounded to bf16 as torch's bf16 ops round them (silu as `silu_rounded`). Returns 1 where memory
+ * ran out. */
 int bf16_output_head(const uint16_t* s, const uint16_t* e, const uint16_t* fc, const float* bias, const uint16_t* w,
                      float eps, uint16_t* out, int R, int D, int threads) {
     uint16_t* scratch = malloc(sizeof(uint16_t) * (size_t)R * 4 * D);
@@ -1023,11 +1028,8 @@ int bf16_output_head(const uint16_t* s, const uint16_t* e, const uint16_t* fc, c
         memcpy(both + (size_t)r * 2 * D + D, e + (size_t)r * D, sizeof(uint16_t) * D);
     }
     int failed = bf16_rows(both, fc, bias, y, R, 2 * D, D, threads);
-    for (size_t i = 0; i < (size_t)R * D; i++) {
-        float x = bf16_to_float(y[i]);
-        float silu = bf16_to_float(float_to_bf16(x / (1.0f + expf(-x))));
-        sum[i] = float_to_bf16(bf16_to_float(s[i]) + silu);
-    }
+    for (size_t i = 0; i < (size_t)R * D; i++)
+        sum[i] = float_to_bf16(bf16_to_float(s[i]) + silu_rounded(bf16_to_float(y[i])));
     for (int r = 0; r < R; r++)
         norm_row(sum + (size_t)r * D, w, out + (size_t)r * D, D, eps);
     free(scratch);
