@@ -108,6 +108,20 @@ def _later_keys(tokens: int, keys: int, dtype: torch.dtype) -> torch.Tensor:
 _KERNEL_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# the heads' static-tree drafts in one kernel call: heads -> {id(tree): (tree, ids of the tensors it points into,
+# bf16_kernel.StaticDraft)}, kept outside the module as above (the tree is kept too: its id names no other meanwhile)
+_KERNEL_DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _embedding_table(embed: nn.Module) -> torch.Tensor | None:
+    """The (vocabulary, hidden) table whose rows `embed` returns, where it is a plain lookup; else None."""
+    if isinstance(embed, LMHeadEmbedding):
+        return embed._lm_head[0].weight if embed._dense is None else embed._dense[0]
+    if type(embed) is nn.Embedding and embed.max_norm is None:
+        return embed.weight
+    return None
+
+
 class AugmentLayer(nn.Module):
     """A pre-norm decoder layer (GQA self-attention with RoPE, SwiGLU MLP) with an explicit cache."""
 
@@ -507,6 +521,9 @@ class CloverHeads(DraftHeads):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft the tree's tokens (num_nodes - 1,), one batched step per depth, and the heads'
         probability of each token at its parent (num_nodes - 1,)."""
+        whole = self._kernel_draft(feature, root, tree, embed, lm_head)
+        if whole is not None:
+            return whole
         states = feature.view(1, -1)
         e = embed(root.view(1)).to(states.dtype)
         drafted, probs = [], []
@@ -521,6 +538,37 @@ class CloverHeads(DraftHeads):
             if level.next_expanded is not None:
                 e = embed(children[level.next_expanded]).to(states.dtype)
         return torch.cat(drafted), torch.cat(probs)
+
+    def _kernel_draft(self, feature: torch.Tensor, root: torch.Tensor, tree: "TreeBuffers", embed: nn.Module,
+                      lm_head: DraftLMHead) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`draft` in one kernel call (`bf16_kernel.StaticDraft`) where it serves: bf16 on the CPU, draft rows in the
+        kernel's int8 product, residual output heads, and every product at the levels' row counts tiled; else None."""
+        table = _embedding_table(embed)
+        if (table is None or lm_head.kernel is None or self.config.output_head != "residual"
+                or torch.is_grad_enabled() or not bf16_kernel.serves(feature)):
+            return None
+        regressive, weights = self.regressive, []
+        for d, level in enumerate(tree.levels):
+            rows = 1 if level.parent_of_expanded is None else level.parent_of_expanded.shape[0]
+            head = self.heads[d]
+            fc = kernel_weights(head.fc, rows, [head.fc.out_features])
+            projections = [] if d == 0 else [kernel_weights(p, rows, [p.out_features])
+                                             for p in (regressive.q_proj, regressive.k_proj, regressive.v_proj)]
+            if fc is None or None in projections:
+                return None
+            weights.append(((*fc, head.norm.weight, head.norm.eps), projections))
+        parts = [table, self.draft_token_ids, *lm_head.kernel.keep,
+                 *(t for head, projections in weights for t in (*head[:3], *(t for pair in projections for t in pair)))]
+        signature = tuple(id(t) for t in parts)
+        made = _KERNEL_DRAFTS.setdefault(self, {})
+        found = made.get(id(tree))
+        if found is None or found[1] != signature:
+            if not bf16_kernel.StaticDraft.fits(tree.levels, weights, table):
+                return None
+            draft = bf16_kernel.StaticDraft(tree.levels, weights, (regressive.norm.weight, regressive.norm.eps),
+                                            regressive.n_heads, lm_head.kernel.keep, self.draft_token_ids, table)
+            found = made[id(tree)] = (tree, signature, draft)  # the tree kept: its id names no other while cached
+        return found[2](feature, int(root))
 
     @torch.no_grad()
     def draft_dynamic(

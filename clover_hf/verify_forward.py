@@ -19,6 +19,7 @@ from transformers import CompileConfig, GenerationConfig, PreTrainedModel
 
 from .base_parts import final_norm
 from .cache import cache_keyword, is_static
+from .lean_layers import model_forward
 from .verification import base_forward, last_hidden
 
 BUCKETS = (1, 4, 16, 64, 160, 256)  # tree widths a compiled forward is padded to (wider: multiples of the last);
@@ -149,7 +150,10 @@ class VerifyForward:
         calls = self._calls_before((tuple(ids.shape), tuple(mask.shape))) if is_static(cache) else -1
         self.settled = calls < 0 or calls >= WARM_CALLS
         if calls < 0:
-            return base_forward(self.model, ids, mask, positions, cache, pre_norm=self.pre_norm)
+            lean = model_forward(self.model)  # within `lean_layers`, where the layers all run in one kernel call
+            out = None if lean is None else lean(ids, mask, positions, cache, self.pre_norm)
+            return out if out is not None else base_forward(self.model, ids, mask, positions, cache,
+                                                            pre_norm=self.pre_norm)
         if self.model.device.type == "cuda" and self.config.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs were copied out
         logits, hidden = self.compiled(ids, mask, positions, cache)

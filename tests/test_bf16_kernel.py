@@ -788,3 +788,104 @@ def test_where_torch_has_no_bf16_products_a_first_call_takes_the_tiled_forms_wit
     assert linears.evident_forms([clover.base_model], 10**9) is None
     monkeypatch.setattr(linears, "onednn_serves", lambda dtype: False)
     assert linears.evident_forms([tiny_model("llama")], 10**9) is None  # float32
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_a_static_trees_draft_in_one_kernel_call_is_bitwise_the_levels_one_by_one(isa, built, monkeypatch):
+    """Drafting in bf16 from the kernel's int8 draft rows with the heads' products in the tiled form: a static tree's
+    levels (regressive decoder, output head, draft rows, top-k, the next level's embeddings) run as one kernel call,
+    made once per tree, whose tokens (through the draft vocabulary's ids) and probabilities are bitwise those of the
+    heads' modules level by level, for the whole tree and one cut shallower; the heads can still be copied."""
+    from clover_hf.drafting import static_trees
+    from clover_hf.heads import CloverHeads
+
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    base, heads, g = _random_bf16_heads(norms=1.0, decoder_bias=True, draft_vocab_size=64)
+    heads.draft_token_ids.copy_(torch.randperm(base.config.vocab_size, generator=g)[:64])
+    whole, shallow = (static_trees(heads.config.tree, "cpu", 0, depth)[0] for depth in (None, 2))
+    assert len(whole.levels) == 4 and len(shallow.levels) == 2
+    lm_head, embed = heads.draft_lm_head(base.get_output_embeddings(), int8=True), heads.token_embedding(base)
+    assert lm_head.kernel is not None
+    inputs = [(torch.randn(base.config.hidden_size, generator=g).to(torch.bfloat16),
+               torch.randint(0, base.config.vocab_size, (), generator=g)) for _ in range(3)]
+    made = []
+    real = bf16_kernel.StaticDraft.__init__
+    monkeypatch.setattr(bf16_kernel.StaticDraft, "__init__", lambda self, levels, *a: made.append(len(levels)) or real(
+        self, levels, *a))
+
+    def run():
+        with torch.no_grad(), linear_forms([heads], {1 << k: TILED for k in range(5)}, WeightCopies(limit=10**9)):
+            return [heads.draft(feature, root, tree, embed, lm_head) for feature, root in inputs
+                    for tree in (whole, shallow)]
+
+    got = run()
+    assert made == [4, 2]  # once per tree, used at every call
+    copy.deepcopy(heads)
+    monkeypatch.setattr(CloverHeads, "_kernel_draft", lambda self, *args: None)
+    want = run()
+    assert made == [4, 2]
+    for (tokens, probs), (want_tokens, want_probs) in zip(got, want):
+        assert tokens.shape == (whole.num_nodes - 1,) or tokens.shape == (shallow.num_nodes - 1,)
+        assert torch.equal(tokens, want_tokens) and torch.equal(probs, want_probs)
+        assert set(tokens.tolist()) <= set(heads.draft_token_ids.tolist())
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("arch,batch,pre_norm", [("llama", 1, False), ("qwen2", 2, True), ("mistral", 1, True)])
+def test_verify_forwards_of_a_model_whose_layers_run_in_one_call_skip_its_python_bitwise(arch, batch, pre_norm, isa,
+                                                                                         built, monkeypatch):
+    """bf16, every product in the tiled form, all layers in one kernel call: a verify forward runs the decoder's
+    embedding, mask and rotary embedding, that call, the final norm and the lm_head by themselves (the model's lean
+    forward), checked against the model's own forward at the first call (which then returns the own forward's output):
+    logits, hidden states (after or before the final norm) and cache bitwise those of the model's own forwards, for a
+    tree of 3 tokens a row and a one-token step. Where the check fails its own forward runs from then on, with a
+    warning; so it does where the model has hooks."""
+    import clover_hf.lean_layers as lean
+    from clover_hf import verify_forward
+    from clover_hf.cache import new_cache
+
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
+    ran = []
+    real = lean._ModelForward.__call__
+    monkeypatch.setattr(lean._ModelForward, "__call__", lambda self, *a: (lambda out: ran.append(out is not None) or out)(
+        real(self, *a)))
+    model = tiny_model(arch, dtype=torch.bfloat16, head_dim=32, **({"sliding_window": None} if arch == "mistral" else {}))
+    ids = torch.randint(0, 256, (batch, 10))
+    later = torch.ones(3, 9, dtype=torch.bool).triu(7)
+    mask = torch.zeros(batch, 1, 3, 9, dtype=torch.bfloat16).masked_fill(later, torch.finfo(torch.bfloat16).min)
+    mask[1:, :, 1:, 7] = torch.finfo(torch.bfloat16).min  # other rows: a tree, not a chain
+
+    def run():
+        with torch.no_grad(), lean.lean_layers(model, pack=True), linear_forms(
+                [model], {1 << k: TILED for k in range(5)}, WeightCopies(limit=10**9)):
+            cache = new_cache()
+            model(ids[:, :6], cache=cache, use_cache=True)
+            verify = verify_forward.VerifyForward(model, pre_norm)
+            three = verify(ids[:, 6:9], mask, torch.arange(6, 9).expand(batch, 3), cache)
+            one = verify(ids[:, 9:], torch.ones(batch, 10, dtype=torch.long), torch.tensor([[9]]).expand(batch, 1), cache)
+        return [*three, *one, *(t for layer in cache.layers for t in (layer.keys, layer.values))]
+
+    got = run()
+    assert ran == [True, True] and list(lean._MODELS_CHECKED.values()) == [True]
+    real_forward = verify_forward.model_forward
+    monkeypatch.setattr(verify_forward, "model_forward", lambda model: None)
+    want = run()
+    assert got[1].shape == (batch, 3, model.config.hidden_size) and got[7].shape[2] == 10
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.equal(g, w)
+
+    monkeypatch.setattr(verify_forward, "model_forward", real_forward)
+    hook = model.model.norm.register_forward_hook(lambda *args: None)
+    ran.clear()
+    assert all(torch.equal(g, w) for g, w in zip(run(), want)) and ran == [False, False]
+    hook.remove()
+    monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
+    real_norm = lean._norm  # a lean forward that differs: no final norm
+    monkeypatch.setattr(lean, "_norm", lambda module, fused: (lambda x: x) if module is model.model.norm else real_norm(
+        module, fused))
+    ran.clear()
+    with pytest.warns(UserWarning, match="does not match"):
+        again = run()
+    assert ran == [True, False] and list(lean._MODELS_CHECKED.values()) == [False]  # the own forward's output returned
+    assert all(torch.equal(g, w) for g, w in zip(again, want))

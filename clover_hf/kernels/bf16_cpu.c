@@ -1,7 +1,7 @@
 /* bf16 kernels for decoding on x86 CPUs, built by clover_hf/bf16_kernel.py: transformers' RMSNorm (alone, or with
  * the residual sum before it), rotary embedding and SwiGLU activation in one call each, the attention of a few query
- * tokens, a whole decoder layer of these in one call, a product by int8 weights, greedy acceptance's argmax and the
- * heads' softmax top-k,
+ * tokens, a whole decoder layer of these in one call, a product by int8 weights, greedy acceptance's argmax, the
+ * heads' softmax top-k and a static tree's draft by the heads in one call,
  * and y = x @ w.T (+ bias) for a few rows of bf16 x, each weight byte read once for
  * a block of rows, sums in float32, for one of two instruction sets:
  *   AVX-512-BF16 (-mavx512bf16): vdpbf16ps multiplies pairs of bf16 inputs, eight rows a block;
@@ -1051,5 +1051,81 @@ int bf16_attention_decoder(const uint16_t* h, const uint16_t* e, const uint16_t*
     failed |= bf16_rows(e, v_w, v_b, v, R, D, D, threads);
     bf16_cosine_gate(h, q, k, v, out, R, heads, D / heads, 1e-8f);
     free(scratch);
+    return failed != 0;
+}
+
+/* One depth of a static draft tree (tree.TreeLevel) with the weights its row count multiplies by: the regressive
+ * Attention Decoder's q/k/v (tiled; biases float32 or NULL; unused at the first level) and the depth's output head. */
+struct draft_level {
+    int k, expanded, children, next; /* top-k a row ranks, rows drafted, nodes kept, nodes the next level expands */
+    const int64_t *parent_of_expanded, *child_parent, *child_rank, *next_expanded;
+    const uint16_t *q, *k_w, *v;
+    const float *q_bias, *k_bias, *v_bias;
+    const uint16_t *fc, *head_norm;
+    const float* fc_bias;
+    float head_eps;
+};
+
+/* what every level shares: sizes, the regressive Attention Decoder's norm, the int8 draft rows of the lm_head (see
+ * i8_rows), which token each draft row stands for (NULL: its own index) and the table that embeds tokens */
+struct draft_args {
+    int D, heads, rows, threads;
+    const uint16_t* reg_norm;
+    float reg_eps;
+    const int8_t* lm_w;
+    const float *lm_scales, *lm_bias;
+    const int32_t* lm_sums;
+    const int64_t* token_ids;
+    const uint16_t* embedding;
+};
+
+/* The heads' draft of a static tree, as heads.CloverHeads.draft runs it level by level, in one call: at each level
+ * the states of the rows it expands (through the regressive Attention Decoder after the first), the level's output
+ * head, the lm_head's int8 draft rows and their top-k probabilities, the kept children's tokens and the embeddings
+ * of those the next level expands. The same kernels in the same order, so the same tokens and probabilities; in
+ * situ the ~10 torch ops and calls around them took ~0.3 ms a level (AVX2-only EPYC). `tokens` and `probs` take the
+ * children of every level, level after level. Returns 1 where memory ran out. */
+int bf16_draft_levels(const struct draft_args* a, const struct draft_level* levels, int n, const uint16_t* feature,
+                      int64_t root, int64_t* tokens, float* probs) {
+    int D = a->D, most = 1, k_most = 1;
+    for (int d = 0; d < n; d++) {
+        most = levels[d].expanded > most ? levels[d].expanded : most;
+        k_most = levels[d].k > k_most ? levels[d].k : k_most;
+    }
+    size_t row_block = (size_t)most * D;
+    uint16_t* scratch = malloc(sizeof(uint16_t) * (4 * row_block + (size_t)most * a->rows));
+    int64_t* top = malloc(sizeof(int64_t) * (size_t)most * k_most);
+    float* top_p = malloc(sizeof(float) * (size_t)most * k_most);
+    if (!scratch || !top || !top_p) {
+        free(scratch), free(top), free(top_p);
+        return 1;
+    }
+    uint16_t *states = scratch, *gathered = states + row_block, *e = gathered + row_block, *out = e + row_block;
+    uint16_t* logits = out + row_block;
+    memcpy(states, feature, sizeof(uint16_t) * D);
+    memcpy(e, a->embedding + (size_t)root * D, sizeof(uint16_t) * D);
+    int failed = 0, at = 0;
+    for (int d = 0; d < n && !failed; d++) {
+        const struct draft_level* L = &levels[d];
+        int R = L->expanded;
+        if (d > 0) {
+            for (int r = 0; r < R; r++)
+                memcpy(gathered + (size_t)r * D, states + (size_t)L->parent_of_expanded[r] * D, sizeof(uint16_t) * D);
+            failed |= bf16_attention_decoder(gathered, e, a->reg_norm, a->reg_eps, L->q, L->q_bias, L->k_w, L->k_bias,
+                                             L->v, L->v_bias, states, R, D, a->heads, a->threads);
+        }
+        failed |= bf16_output_head(states, e, L->fc, L->fc_bias, L->head_norm, L->head_eps, out, R, D, a->threads);
+        failed |= i8_rows(out, a->lm_w, a->lm_scales, a->lm_sums, a->lm_bias, logits, R, D, a->rows, a->threads);
+        top_probs(logits, R, a->rows, L->k, top, top_p, a->threads);
+        for (int j = 0; j < L->children; j++) {
+            size_t pick = (size_t)L->child_parent[j] * L->k + (size_t)L->child_rank[j];
+            tokens[at + j] = a->token_ids ? a->token_ids[top[pick]] : top[pick];
+            probs[at + j] = top_p[pick];
+        }
+        for (int j = 0; j < L->next; j++)
+            memcpy(e + (size_t)j * D, a->embedding + (size_t)tokens[at + L->next_expanded[j]] * D, sizeof(uint16_t) * D);
+        at += L->children;
+    }
+    free(scratch), free(top), free(top_p);
     return failed != 0;
 }
