@@ -50,7 +50,11 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: tor
     are read from a table of every position up to the largest seen (`_position_table`): drafting steps took ten
     ops to compute them."""
     if not torch.is_grad_enabled() and positions.device.type == "cpu" and positions.numel():
-        cos, sin = _position_table(int(positions.max()) + 1, head_dim, theta, dtype)
+        rows = positions.tolist()
+        cos, sin = _position_table(max(max(row) for row in rows) + 1, head_dim, theta, dtype)
+        start, count = rows[0][0], len(rows[0])
+        if len(rows) == 1 and rows[0] == list(range(start, start + count)):  # one row of positions in order: a view
+            return cos[None, None, start : start + count], sin[None, None, start : start + count]
         return cos[positions][:, None], sin[positions][:, None]
     return _rope_angles(positions, head_dim, theta, dtype)
 
@@ -66,16 +70,21 @@ def _rope_angles(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
 _POSITION_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-@torch.inference_mode(False)  # kept past the call that makes them
 def _position_table(length: int, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (P, head_dim) of positions 0..P-1, P at least `length` (a power of two, made again when longer
     is needed): the same elementwise ops `_rope_angles` runs on given positions."""
     key = (head_dim, theta, dtype)
     table = _POSITION_TABLES.get(key)
     if table is None or table[0].shape[0] < length:
-        every = torch.arange(1 << max(length - 1, 1).bit_length())[None]
-        table = _POSITION_TABLES[key] = tuple(t[0, 0] for t in _rope_angles(every, head_dim, theta, dtype))
+        table = _POSITION_TABLES[key] = _new_position_table(length, head_dim, theta, dtype)
     return table
+
+
+@torch.inference_mode(False)  # kept past the call that makes them
+def _new_position_table(length: int, head_dim: int, theta: float, dtype: torch.dtype
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    every = torch.arange(1 << max(length - 1, 1).bit_length())[None]
+    return tuple(t[0, 0] for t in _rope_angles(every, head_dim, theta, dtype))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

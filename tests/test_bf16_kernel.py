@@ -502,10 +502,12 @@ def test_the_cosine_gate_is_as_close_to_float64_as_torchs_bf16_ops(isa, built, m
 
 def test_rope_tables_read_from_the_position_table_are_bitwise_the_computed_ones():
     """Without gradients on the CPU the heads' cos and sin come from a table of positions, grown as longer texts
-    need: bitwise what computing them for the positions gives."""
+    need: bitwise what computing them for the positions gives (a row of positions in order read as a view of it,
+    others gathered)."""
     from clover_hf.heads import _rope_angles, rope_tables
 
-    for positions in (torch.tensor([[0, 1, 2]]), torch.tensor([[5, 9], [700, 701]]), torch.arange(3000)[None]):
+    for positions in (torch.tensor([[0, 1, 2]]), torch.tensor([[9]]), torch.tensor([[4, 3, 7]]),
+                      torch.tensor([[5, 9], [700, 701]]), torch.arange(3000)[None]):
         for dtype in (torch.bfloat16, torch.float32):
             with torch.no_grad():
                 table = rope_tables(positions, 64, 10000.0, dtype)
