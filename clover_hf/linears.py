@@ -332,7 +332,9 @@ class WeightCopies:
         if not fits:
             return
         with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-            made = list(pool.map(lambda g: make_copy(torch.cat([m.weight.detach() for m in g[0]]), form), fits))
+            made = list(pool.map(lambda g: make_copy(torch.cat([m.weight.detach() for m in g[0]]), form)
+                                 if form != TILED or not all(bf16_kernel.fits(m.weight) for m in g[0])
+                                 else bf16_kernel.tile(*(m.weight for m in g[0])), fits))
         for (group, stamp, size), copy in zip(fits, made):
             bias = None if group[0].bias is None else torch.cat([m.bias.detach() for m in group])
             self._fused[group[0]] = (stamp, None if copy is None else (copy, bias), 0 if copy is None else size)

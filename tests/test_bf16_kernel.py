@@ -94,6 +94,20 @@ def test_the_tiled_form_copies_only_weights_the_kernel_takes():
     assert tiled.shape == (2, 2, 32, 2) and tiled[1, 1, 3].tolist() == [(32 + 3) * 4 + 2, (32 + 3) * 4 + 3]
 
 
+def test_stacked_and_strided_weights_tile_as_their_contiguous_stack():
+    """`tile(a, b, ...)` lays out `torch.cat([a, b, ...])` without making it, and a weight that is not contiguous (or
+    starts at an odd offset, so its pairs are not 4-byte values) tiles as its contiguous copy."""
+    a, b, c = (torch.randn(rows, 10).to(torch.bfloat16) for rows in (64, 32, 96))
+    stacked = bf16_kernel.tile(a, b, c)
+    assert stacked.shape == (6, 5, 32, 2) and torch.equal(stacked, bf16_kernel.tile(torch.cat([a, b, c])))
+    wide = torch.randn(64, 21).to(torch.bfloat16)
+    odd_offset = torch.randn(64 * 10 + 1).to(torch.bfloat16)[1:].view(64, 10)
+    for strided in (wide[:, 1:11], wide.t().contiguous().t()[:, :10], odd_offset):
+        assert not strided.is_contiguous() or strided.storage_offset() % 2
+        assert torch.equal(bf16_kernel.tile(strided), bf16_kernel.tile(strided.contiguous()))
+    assert torch.equal(bf16_kernel.tile(a, wide[:32, 1:11]), bf16_kernel.tile(torch.cat([a, wide[:32, 1:11]])))
+
+
 @pytest.mark.parametrize("isa", BUILDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
 def test_whole_forwards_in_the_tiled_form_match_f_linear(arch, isa, built, monkeypatch):
