@@ -118,7 +118,8 @@ _KERNEL_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # the heads' static-tree drafts in one kernel call: heads -> {id(tree): (tree, ids of the tensors it points into,
-# bf16_kernel.StaticDraft)}, kept outside the module as above (the tree is kept too: its id names no other meanwhile)
+# bf16_kernel.StaticDraft, the bound forwards it was last looked up under)}, kept outside the module as above (the tree
+# is kept too: its id names no other meanwhile)
 _KERNEL_DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -556,6 +557,12 @@ class CloverHeads(DraftHeads):
         if (table is None or lm_head.kernel is None or self.config.output_head != "residual"
                 or torch.is_grad_enabled() or not bf16_kernel.serves(feature)):
             return None
+        made = _KERNEL_DRAFTS.setdefault(self, {})
+        found = made.get(id(tree))
+        # a block of linear forms binds new forwards: within one, the weights looked up last time stand
+        bound = (self.heads[0].fc.forward, lm_head.kernel, table, self.draft_token_ids)
+        if found is not None and all(a is b for a, b in zip(found[3], bound)):
+            return found[2](feature, int(root))
         regressive, weights = self.regressive, []
         for d, level in enumerate(tree.levels):
             rows = 1 if level.parent_of_expanded is None else level.parent_of_expanded.shape[0]
@@ -569,14 +576,13 @@ class CloverHeads(DraftHeads):
         parts = [table, self.draft_token_ids, *lm_head.kernel.keep,
                  *(t for head, projections in weights for t in (*head[:3], *(t for pair in projections for t in pair)))]
         signature = tuple(id(t) for t in parts)
-        made = _KERNEL_DRAFTS.setdefault(self, {})
-        found = made.get(id(tree))
         if found is None or found[1] != signature:
             if not bf16_kernel.StaticDraft.fits(tree.levels, weights, table):
                 return None
             draft = bf16_kernel.StaticDraft(tree.levels, weights, (regressive.norm.weight, regressive.norm.eps),
                                             regressive.n_heads, lm_head.kernel.keep, self.draft_token_ids, table)
-            found = made[id(tree)] = (tree, signature, draft)  # the tree kept: its id names no other while cached
+            found = (tree, signature, draft)  # the tree kept: its id names no other while cached
+        made[id(tree)] = (*found[:3], bound)
         return found[2](feature, int(root))
 
     @torch.no_grad()
