@@ -182,6 +182,14 @@ def make_copy(weight: torch.Tensor, form: str) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS)
 
 
+def stacked_copy(weights: list[torch.Tensor], form: str) -> torch.Tensor | None:
+    """`make_copy` of the weights stacked (one product computes all their outputs); the tiled form lays each out
+    straight into the copy (`bf16_kernel.tile`), without the stacked weight in between."""
+    if form == TILED and all(bf16_kernel.fits(w) for w in weights):
+        return bf16_kernel.tile(*weights)
+    return make_copy(torch.cat([w.detach() for w in weights]), form)
+
+
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
@@ -332,9 +340,7 @@ class WeightCopies:
         if not fits:
             return
         with ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
-            made = list(pool.map(lambda g: make_copy(torch.cat([m.weight.detach() for m in g[0]]), form)
-                                 if form != TILED or not all(bf16_kernel.fits(m.weight) for m in g[0])
-                                 else bf16_kernel.tile(*(m.weight for m in g[0])), fits))
+            made = list(pool.map(lambda g: stacked_copy([m.weight for m in g[0]], form), fits))
         for (group, stamp, size), copy in zip(fits, made):
             bias = None if group[0].bias is None else torch.cat([m.bias.detach() for m in group])
             self._fused[group[0]] = (stamp, None if copy is None else (copy, bias), 0 if copy is None else size)
