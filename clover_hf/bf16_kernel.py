@@ -731,14 +731,22 @@ class StaticDraft:
             self.drafted += L.children
 
     @staticmethod
-    def fits(levels, weights, embedding: torch.Tensor) -> bool:
-        """Whether the call takes these: contiguous bf16 weights on the CPU of one size, top-k within `TOP_MOST`."""
-        dim = embedding.shape[-1]
+    def fits(levels, weights, lm_rows: tuple, token_ids: torch.Tensor | None, embedding: torch.Tensor) -> bool:
+        """Whether the call takes these (as `__init__` takes them): contiguous bf16 weights on the CPU of one size,
+        top-k within `TOP_MOST` and the draft rows, and draft tokens (int64 ids, or the rows' own indices) that the
+        embedding holds (its torch lookup would refuse others; the kernel would read past it)."""
+        dim, rows = embedding.shape[-1], lm_rows[0].shape[0] * TILE
         tensors = [embedding] + [t for (fc, _, norm, _), regressive in weights
                                  for t in (fc, norm, *(w for w, _ in regressive))]
-        return (available() and embedding.dim() == 2 and all(
+        if token_ids is None:
+            tokens_fit = rows <= embedding.shape[0]
+        else:
+            tokens_fit = (token_ids.dtype is torch.int64 and token_ids.is_cpu and token_ids.is_contiguous()
+                          and token_ids.shape == (rows,)
+                          and 0 <= int(token_ids.min()) and int(token_ids.max()) < embedding.shape[0])
+        return (available() and embedding.dim() == 2 and tokens_fit and all(
             t.dtype is torch.bfloat16 and t.is_cpu and t.is_contiguous() for t in tensors)
-                and all(0 < level.k <= TOP_MOST for level in levels)
+                and all(0 < level.k <= min(TOP_MOST, rows) for level in levels)
                 and all(fc.shape[0] * TILE == dim and fc.shape[1] == dim and all(
                     w.shape[0] * TILE == dim and w.shape[1] * 2 == dim for w, _ in regressive)
                         for (fc, _, _, _), regressive in weights))

@@ -557,12 +557,15 @@ class CloverHeads(DraftHeads):
         if (table is None or lm_head.kernel is None or self.config.output_head != "residual"
                 or torch.is_grad_enabled() or not bf16_kernel.serves(feature)):
             return None
+        token = int(root)
+        if not 0 <= token < table.shape[0]:  # the embedding's own lookup refuses it
+            return None
         made = _KERNEL_DRAFTS.setdefault(self, {})
         found = made.get(id(tree))
         # a block of linear forms binds new forwards: within one, the weights looked up last time stand
         bound = (self.heads[0].fc.forward, lm_head.kernel, table, self.draft_token_ids)
         if found is not None and all(a is b for a, b in zip(found[3], bound)):
-            return found[2](feature, int(root))
+            return found[2](feature, token)
         regressive, weights = self.regressive, []
         for d, level in enumerate(tree.levels):
             rows = 1 if level.parent_of_expanded is None else level.parent_of_expanded.shape[0]
@@ -577,13 +580,14 @@ class CloverHeads(DraftHeads):
                  *(t for head, projections in weights for t in (*head[:3], *(t for pair in projections for t in pair)))]
         signature = tuple(id(t) for t in parts)
         if found is None or found[1] != signature:
-            if not bf16_kernel.StaticDraft.fits(tree.levels, weights, table):
+            if not bf16_kernel.StaticDraft.fits(tree.levels, weights, lm_head.kernel.keep, self.draft_token_ids,
+                                                table):
                 return None
             draft = bf16_kernel.StaticDraft(tree.levels, weights, (regressive.norm.weight, regressive.norm.eps),
                                             regressive.n_heads, lm_head.kernel.keep, self.draft_token_ids, table)
             found = (tree, signature, draft)  # the tree kept: its id names no other while cached
         made[id(tree)] = (*found[:3], bound)
-        return found[2](feature, int(root))
+        return found[2](feature, token)
 
     @torch.no_grad()
     def draft_dynamic(

@@ -837,6 +837,14 @@ def test_a_static_trees_draft_in_one_kernel_call_is_bitwise_the_levels_one_by_on
     got = run()
     assert made == [4, 2]  # once per tree, used at every call
     copy.deepcopy(heads)
+    with torch.no_grad(), linear_forms([heads], {1 << k: TILED for k in range(5)}, WeightCopies(limit=10**9)):
+        feature, root = inputs[0]
+        beyond = torch.tensor(base.config.vocab_size)  # a token the embedding lacks: its own lookup refuses it
+        assert heads._kernel_draft(feature, beyond, whole, embed, lm_head) is None
+        # an embedding shorter than the draft rows' tokens: the kernel would read past it
+        short = torch.nn.Embedding.from_pretrained(embed.weight[: int(heads.draft_token_ids.max())])
+        assert heads._kernel_draft(feature, root.clamp(max=short.num_embeddings - 1), whole, short, lm_head) is None
+    assert made == [4, 2]
     monkeypatch.setattr(CloverHeads, "_kernel_draft", lambda self, *args: None)
     want = run()
     assert made == [4, 2]
