@@ -11,6 +11,7 @@ to compile follows transformers' own rules for `generate` (`compile_settings`); 
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from dataclasses import dataclass, field
 
@@ -98,6 +99,14 @@ def _logits_and_last(model: PreTrainedModel, keyword: str, last: list, ids, mask
 _COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(settings, pre_norm): _Compiled}
 
 
+def _recompile_options() -> dict:
+    """At most MAX_SHAPES graphs for this function alone, where torch.compile takes that per function (2.13+);
+    older versions keep dynamo's global limit."""
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return {"recompile_limit": MAX_SHAPES, "isolate_recompiles": True}
+    return {}
+
+
 def _compiled(model: PreTrainedModel, config: CompileConfig, pre_norm: bool) -> _Compiled | None:
     """The model's compiled forward for these settings, made once and kept with the model across calls;
     None for a model that is its own decoder (no module to read the last hidden states from)."""
@@ -112,7 +121,7 @@ def _compiled(model: PreTrainedModel, config: CompileConfig, pre_norm: bool) -> 
         inductor = config.backend == "inductor"
         fn = torch.compile(forward, fullgraph=config.fullgraph, dynamic=bool(config.dynamic), backend=config.backend,
                            mode=config.mode if inductor and not config.options else None, options=config.options,
-                           recompile_limit=MAX_SHAPES, isolate_recompiles=True)
+                           **_recompile_options())
         hook = functools.partial(_grab_input if pre_norm else _grab_output, last)
         per_model[(settings, pre_norm)] = _Compiled(fn, module, hook, pre_norm, last)
     return per_model[(settings, pre_norm)]

@@ -86,11 +86,13 @@ def test_cuda_top1_sampling_matches_greedy():
     assert same(out, ref)
 
 
-@pytest.mark.parametrize("cache, rate", [({}, 1.5), ({"cache_implementation": "static"}, 1.3)],
+@pytest.mark.parametrize("cache, rate", [({}, 1.5), ({"cache_implementation": "static", "budget": "full"}, 1.3)],
                          ids=["dynamic cache", "static cache, CUDA graphs"])
 def test_cuda_shipped_heads_exact(converted, cache, rate):
     """The embedded SmolLM2 with its shipped heads, fp32 on the GPU: token for token the base's output, on a
-    dynamic cache and on a static one with the verify forward compiled (CUDA graphs)."""
+    dynamic cache and on a static one with the verify forward compiled (CUDA graphs). The static case drafts
+    the whole tree every step, as the CPU's static test does: what the default budget drafts there follows
+    the step costs it times (1.18 tokens a step on these prompts on an H200), which no test should assert."""
     from transformers import AutoTokenizer
 
     from clover_hf.data import mtbench_questions

@@ -301,3 +301,26 @@ def test_a_static_cache_multiplies_in_the_forms_learnt_for_the_machine(monkeypat
     costs = budget._costs
     dynamic, static = (next(c for k, c in costs.items() if k.endswith(end)) for end in ("copies", "static eager"))
     assert not timed and static.forms is not None and static.ms and static.ms is not dynamic.ms
+
+
+def test_a_torch_compile_without_per_function_limits_still_compiles_the_verify_forward(monkeypatch):
+    """torch.compile before 2.13 takes no `recompile_limit`: the verify forward compiles without it (dynamo's
+    global limit applies) and gives the base's output, where passing it raised a TypeError."""
+    assert "recompile_limit" in verify_forward._recompile_options()  # this torch takes it: passed
+    compile_fn, seen = torch.compile, []
+
+    def older_compile(model, *, fullgraph=False, dynamic=None, backend="inductor", mode=None, options=None,
+                      disable=False):
+        seen.append(backend)
+        return compile_fn(model, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode, options=options,
+                          disable=disable)
+
+    monkeypatch.setattr(torch, "compile", older_compile)
+    base = tiny_model("llama")
+    ids = prompt(3, length=9)
+    ref = base.generate(ids, max_new_tokens=30, do_sample=False)
+    clover = oracle_model(base, ref)
+    out = clover.generate(ids, max_new_tokens=30, do_sample=False, cache_implementation="static",
+                          compile_config=on_cpu())
+    assert same(out, ref)
+    assert seen == ["aot_eager"] and clover.generation_stats.verified_per_step > 1
