@@ -361,6 +361,33 @@ def test_the_kernels_attention_is_as_close_to_float64_as_sdpas(isa, mask_dtype, 
 
 
 @pytest.mark.parametrize("isa", BUILDS)
+def test_the_kernels_attention_split_among_threads_is_as_close_to_float64(isa, built, monkeypatch):
+    """Where a head's rows are fewer than the threads could share (one token's few key/value heads), the AVX2 build
+    splits their keys among threads and merges the parts: two to eight parts, a part whose keys are all masked,
+    rows in blocks of 4 and fewer; as close to float64 as one thread's single pass, and within a bf16 step of it."""
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    try:
+        for batch, heads, kv_heads, tokens, keys in ((1, 9, 3, 1, 300), (1, 2, 1, 1, 520), (1, 6, 1, 2, 200),
+                                                     (1, 9, 3, 4, 1500)):
+            query = torch.randn(batch, heads, tokens, 64).to(torch.bfloat16)
+            key, value = (torch.randn(batch, kv_heads, keys, 64).to(torch.bfloat16) for _ in range(2))
+            mask = torch.zeros(batch, 1, tokens, keys, dtype=torch.bfloat16)
+            mask[..., : keys * 2 // 3] = float("-inf")  # the first parts' keys all masked
+            mask[..., 0, 5] = 0.0
+            torch.set_num_threads(1)
+            one = bf16_kernel.attention(query, key, value, mask, 0.125)
+            torch.set_num_threads(8)
+            split = bf16_kernel.attention(query, key, value, mask, 0.125)
+            exact = _attention_in_float64(query, key, value, mask, 0.125)
+            assert (split.double() - exact).abs().max() <= 1.5 * (one.double() - exact).abs().max() + 1e-3
+            assert torch.allclose(split.float(), one.float(), rtol=2**-7, atol=1e-3)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
 def test_the_kernels_attention_reads_keys_and_values_as_views_of_a_larger_cache(isa, built, monkeypatch):
     """Keys and values that are the first slots of larger tensors (a growing cache's views of its stores: heads and
     batch rows further apart than the slots used) attend bitwise as their contiguous copies; other layouts are

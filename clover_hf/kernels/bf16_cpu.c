@@ -554,8 +554,11 @@ static void i8_tiles(const int8_t* xq, const float* xs, const int8_t* wq, const 
 }
 
 #else
-#define ATT_ROWS 8 /* query rows (of one key/value head) one pass attends */
-
+#define ATT_ROWS 16 /* query rows (of one key/value head) one pass attends: a group's all, up to 16 */
+#define VALUES_AT_ONCE 128 /* keys whose values stay in L1 while each block of 4 rows weighs them */
+#define KEY_PARTS 1 /* a head's keys may be split among threads (`attend_part`, `merge_parts`) */
+#define PARTIAL(D) ((size_t)ATT_ROWS * (2 + (D))) /* floats of a part's results: ATT_ROWS rows' most, total, sums */
+#define SCRATCH(K, D) ((size_t)ATT_ROWS * 8 * (((K) + 7) / 8) + (size_t)(ATT_ROWS + 8) * (D) + PARTIAL(D))
 
 /* the sums of each of 8 vectors, as one vector */
 static inline __m256 sums8(const __m256* a) {
@@ -564,42 +567,66 @@ static inline __m256 sums8(const __m256* a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
 
-/* o_at[r] = the values weighted by R rows of scores (those past n zeros), times inv[r], for r < n; R a constant
- * (4 or 8) where this is inlined, so that its sums stay in registers */
-static inline __attribute__((always_inline)) void weigh_values(int R, const float* scores, int stride, const float* inv,
-                                                               uint16_t* const* o_at, int n, const uint16_t* v, int K,
-                                                               int D) {
-    for (int d = 0; d < D; d += 8) {
-        __m256 acc[8];
+/* sums (+)= R rows of weights (`stride` apart) times values j0..j1 (each D), 16 columns at a time; R a constant
+ * (1-4) where this is inlined, so that its sums stay in registers */
+static inline __attribute__((always_inline)) void weigh_block(int R, const float* weights, int stride, float* sums,
+                                                              const uint16_t* v, int j0, int j1, int D) {
+    for (int d = 0; d < D; d += 16) {
+        __m256 acc[4][2];
         for (int r = 0; r < R; r++)
-            acc[r] = _mm256_setzero_ps();
-        for (int j = 0; j < K; j++) {
-            __m256 vj = bf16x8_in(v + (size_t)j * D + d);
-            for (int r = 0; r < R; r++)
-                acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(scores + (size_t)r * stride + j), vj, acc[r]);
+            for (int h = 0; h < 2; h++)
+                acc[r][h] = j0 ? _mm256_loadu_ps(sums + (size_t)r * D + d + 8 * h) : _mm256_setzero_ps();
+        for (int j = j0; j < j1; j++) {
+            __m256 v0 = bf16x8_in(v + (size_t)j * D + d), v1 = bf16x8_in(v + (size_t)j * D + d + 8);
+            for (int r = 0; r < R; r++) {
+                __m256 w = _mm256_broadcast_ss(weights + (size_t)r * stride + j);
+                acc[r][0] = _mm256_fmadd_ps(w, v0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(w, v1, acc[r][1]);
+            }
         }
-        for (int r = 0; r < n; r++)
-            _mm_storeu_si128((__m128i*)(o_at[r] + d), bf16x8(_mm256_mul_ps(acc[r], _mm256_set1_ps(inv[r]))));
+        for (int r = 0; r < R; r++)
+            for (int h = 0; h < 2; h++)
+                _mm256_storeu_ps(sums + (size_t)r * D + d + 8 * h, acc[r][h]);
     }
 }
 
-/* AVX2 has no bf16 products: queries and each block of 8 keys are widened to float32 once (the keys into `scratch`),
- * each score a float32 dot product; otherwise as the AVX-512 build's. `scratch` holds SCRATCH(K, D) floats. */
-static void attend_rows(const uint16_t* const* q_at, const void* const* mask_at, int mask_bf16, uint16_t* const* o_at,
-                        int n, const uint16_t* k, const uint32_t* kt, const uint16_t* v, int K, int D, float scale,
-                        float* scratch) {
-    (void)kt;
-    int blocks = (K + 7) / 8, stride = 8 * blocks;
+/* sums (n x D) = n rows of weights times the K values, in blocks of keys that stay in L1 while every 4 rows read them
+ * (a pass over all keys per column block read each value from memory again) */
+static void weigh_values(const float* weights, int stride, float* sums, int n, const uint16_t* v, int K, int D) {
+    for (int j0 = 0; j0 < K; j0 += VALUES_AT_ONCE) {
+        int j1 = j0 + VALUES_AT_ONCE < K ? j0 + VALUES_AT_ONCE : K;
+        for (int r0 = 0; r0 < n; r0 += 4) {
+            const float* w = weights + (size_t)r0 * stride;
+            float* o = sums + (size_t)r0 * D;
+            switch (n - r0 < 4 ? n - r0 : 4) {
+            case 1: weigh_block(1, w, stride, o, v, j0, j1, D); break;
+            case 2: weigh_block(2, w, stride, o, v, j0, j1, D); break;
+            case 3: weigh_block(3, w, stride, o, v, j0, j1, D); break;
+            default: weigh_block(4, w, stride, o, v, j0, j1, D);
+            }
+        }
+    }
+}
+
+/* Attention of n <= ATT_ROWS query rows (`q_at[r]`) over keys and values k0..k1 of one head (k, v at key 0; each
+ * row's mask `mask_at[r]` too), short of the division: each row's largest score most[r], its sum of e^(score - most)
+ * total[r], and the values weighted by those e^ (n x D floats) in sums. AVX2 has no bf16 products: queries and each
+ * block of 8 keys are widened to float32 once (the keys into `scratch`), each score a float32 dot product. `scratch`
+ * holds SCRATCH(k1 - k0, D) floats. */
+static void attend_part(const uint16_t* const* q_at, const void* const* mask_at, int mask_bf16, int n,
+                        const uint16_t* k, const uint16_t* v, int k0, int k1, int D, float scale, float* scratch,
+                        float* most, float* total, float* sums) {
+    int K = k1 - k0, blocks = (K + 7) / 8, stride = 8 * blocks;
     float *scores = scratch, *qf = scores + (size_t)ATT_ROWS * stride, *kf = qf + (size_t)ATT_ROWS * D;
     for (int r = 0; r < n; r++)
         for (int d = 0; d < D; d += 8)
             _mm256_storeu_ps(qf + (size_t)r * D + d, bf16x8_in(q_at[r] + d));
     __m256 scaled = _mm256_set1_ps(scale), lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
     for (int blk = 0; blk < blocks; blk++) {
-        int live = K - 8 * blk < 8 ? K - 8 * blk : 8;
+        int live = K - 8 * blk < 8 ? K - 8 * blk : 8, at = k0 + 8 * blk;
         for (int j = 0; j < live; j++)
             for (int d = 0; d < D; d += 8)
-                _mm256_storeu_ps(kf + (size_t)j * D + d, bf16x8_in(k + (size_t)(8 * blk + j) * D + d));
+                _mm256_storeu_ps(kf + (size_t)j * D + d, bf16x8_in(k + (size_t)(at + j) * D + d));
         if (live < 8)  /* a last block's missing keys are zeros: each row's 8 sums then stay in registers */
             memset(kf + (size_t)live * D, 0, sizeof(float) * (size_t)(8 - live) * D);
         __m256 dead = _mm256_cmp_ps(lanes, _mm256_set1_ps((float)live), _CMP_GE_OQ);
@@ -614,48 +641,58 @@ static void attend_rows(const uint16_t* const* q_at, const void* const* mask_at,
             }
             __m256 s = _mm256_mul_ps(sums8(acc), scaled);
             if (mask_at[r] && live == 8) {
-                s = _mm256_add_ps(s, mask_bf16 ? bf16x8_in((const uint16_t*)mask_at[r] + 8 * blk)
-                                               : _mm256_loadu_ps((const float*)mask_at[r] + 8 * blk));
+                s = _mm256_add_ps(s, mask_bf16 ? bf16x8_in((const uint16_t*)mask_at[r] + at)
+                                               : _mm256_loadu_ps((const float*)mask_at[r] + at));
             } else if (mask_at[r]) {
                 float m[8] = {0};
                 for (int j = 0; j < live; j++)
-                    m[j] = mask_bf16 ? bf16_to_float(((const uint16_t*)mask_at[r])[8 * blk + j])
-                                     : ((const float*)mask_at[r])[8 * blk + j];
+                    m[j] = mask_bf16 ? bf16_to_float(((const uint16_t*)mask_at[r])[at + j])
+                                     : ((const float*)mask_at[r])[at + j];
                 s = _mm256_add_ps(s, _mm256_loadu_ps(m));
             }
             _mm256_storeu_ps(scores + (size_t)r * stride + 8 * blk, _mm256_blendv_ps(s, _mm256_set1_ps(-INFINITY), dead));
         }
     }
-    float inv[ATT_ROWS];
     for (int r = 0; r < n; r++) {
         float* s = scores + (size_t)r * stride;
-        float most = -INFINITY, sum = 0.0f;
-        for (int j = 0; j < stride; j++)
-            most = s[j] > most ? s[j] : most;
-        __m256 top = _mm256_set1_ps(most), total = _mm256_setzero_ps();
+        __m256 top8 = _mm256_set1_ps(-INFINITY);
+        for (int j = 0; j < stride; j += 8)
+            top8 = _mm256_max_ps(top8, _mm256_loadu_ps(s + j));
+        float t[8], sum = 0.0f;
+        _mm256_storeu_ps(t, top8);
+        most[r] = t[0];
+        for (int j = 1; j < 8; j++)
+            most[r] = t[j] > most[r] ? t[j] : most[r];
+        __m256 top = _mm256_set1_ps(most[r]), all = _mm256_setzero_ps();
         for (int j = 0; j < stride; j += 8) {
             __m256 x = _mm256_loadu_ps(s + j);
             __m256 e = _mm256_blendv_ps(exp_neg8(_mm256_sub_ps(x, top)), _mm256_setzero_ps(),
                                         _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
             _mm256_storeu_ps(s + j, e);
-            total = _mm256_add_ps(total, e);
+            all = _mm256_add_ps(all, e);
         }
-        float t[8];
-        _mm256_storeu_ps(t, total);
+        _mm256_storeu_ps(t, all);
         for (int j = 0; j < 8; j++)
             sum += t[j];
-        inv[r] = 1.0f / sum;
+        total[r] = sum;
     }
-    for (int r = n; r < (n > 4 ? 8 : 4); r++)  /* rows past n weigh nothing: a fixed count of sums in registers */
-        memset(scores + (size_t)r * stride, 0, sizeof(float) * (size_t)stride);
-    if (n > 4)
-        weigh_values(8, scores, stride, inv, o_at, n, v, K, D);
-    else
-        weigh_values(4, scores, stride, inv, o_at, n, v, K, D);
+    weigh_values(scores, stride, sums, n, v + (size_t)k0 * D, K, D);
 }
 
+/* As `attend_part` over all K keys, each row's weighted values divided by its total into `o_at[r]` (bf16) */
+static void attend_rows(const uint16_t* const* q_at, const void* const* mask_at, int mask_bf16, uint16_t* const* o_at,
+                        int n, const uint16_t* k, const uint32_t* kt, const uint16_t* v, int K, int D, float scale,
+                        float* scratch) {
+    (void)kt;
+    float *most = scratch + SCRATCH(K, D) - PARTIAL(D), *total = most + ATT_ROWS, *sums = total + ATT_ROWS;
+    attend_part(q_at, mask_at, mask_bf16, n, k, v, 0, K, D, scale, scratch, most, total, sums);
+    for (int r = 0; r < n; r++) {
+        __m256 inv = _mm256_set1_ps(1.0f / total[r]);
+        for (int d = 0; d < D; d += 8)
+            _mm_storeu_si128((__m128i*)(o_at[r] + d), bf16x8(_mm256_mul_ps(_mm256_loadu_ps(sums + (size_t)r * D + d), inv)));
+    }
+}
 #define KEY_LAYOUT(K, D) ((size_t)0)  /* the keys are read as they lie */
-#define SCRATCH(K, D) ((size_t)ATT_ROWS * 8 * (((K) + 7) / 8) + (size_t)(ATT_ROWS + 8) * (D))
 static void lay_out_keys(const uint16_t* k, uint32_t* kt, int K, int D) { (void)k; (void)kt; (void)K; (void)D; }
 
 /* AVX2 has no byte products of four: vpmaddubsw multiplies unsigned by signed bytes in pairs into int16, so each x
@@ -712,15 +749,59 @@ static void i8_tiles(const int8_t* xq, const float* xs, const int8_t* wq, const 
  * or bf16 (1), or NULL (every key seen). D a multiple of 32, at most 256. A head's keys (values) are K rows of D
  * values one after another; heads lie kv_head values apart and batch rows kv_row apart (views of a larger cache).
  * Returns 1 where memory ran out. */
+#ifndef KEY_PARTS
+#define KEY_PARTS 0
+#endif
+#define PART_KEYS 64 /* keys a part takes at least */
+
+#if KEY_PARTS
+/* out (bf16) for n rows from their parts' results (each PARTIAL(D) floats, `parts` of them): each part's total and
+ * sums scaled by e^(its most - the rows' most) and added, the sums divided by the total */
+static void merge_parts(const float* partial, int parts, int n, int D, uint16_t* const* o_at) {
+    for (int r = 0; r < n; r++) {
+        float most = -INFINITY, total = 0.0f;
+        for (int p = 0; p < parts; p++) {
+            float m = partial[(size_t)p * PARTIAL(D) + r];
+            most = m > most ? m : most;
+        }
+        float out[256] = {0};
+        for (int p = 0; p < parts; p++) {
+            const float* part = partial + (size_t)p * PARTIAL(D);
+            float w = expf(part[r] - most);  /* 0 for a part whose keys are all masked (its total and sums are 0) */
+            total += part[ATT_ROWS + r] * w;
+            for (int d = 0; d < D; d++)
+                out[d] += part[2 * ATT_ROWS + (size_t)r * D + d] * w;
+        }
+        for (int d = 0; d < D; d++)
+            o_at[r][d] = float_to_bf16(out[d] / total);
+    }
+}
+#endif
+
 int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, long kv_row, long kv_head,
                    const void* mask, int mask_bf16, uint16_t* out, int B, int H, int G, int T, int K, int D, float scale,
                    int threads) {
     int group = H / G, rows = group * T;
-    int chunks = (rows + ATT_ROWS - 1) / ATT_ROWS;
+    int chunks = (rows + ATT_ROWS - 1) / ATT_ROWS, parts = 1;
+#if KEY_PARTS
+    /* fewer heads' rows than twice the threads (one token's 3 key/value heads over 2 threads): their keys split */
+    if (threads > 1 && B * G * chunks < 2 * threads) {
+        parts = (2 * threads + B * G * chunks - 1) / (B * G * chunks);
+        parts = parts > K / PART_KEYS ? K / PART_KEYS : parts;
+        parts = parts < 1 ? 1 : parts;
+    }
+#endif
     size_t per_head = KEY_LAYOUT(K, D);
     uint32_t* kt = per_head ? malloc(sizeof(uint32_t) * per_head * B * G) : NULL;
-    if (per_head && !kt)
+    float* partial = NULL;
+#if KEY_PARTS
+    partial = parts > 1 ? malloc(sizeof(float) * PARTIAL(D) * B * G * chunks * parts) : NULL;
+#endif
+    if ((per_head && !kt) || (parts > 1 && !partial)) {
+        free(kt);
+        free(partial);
         return 1;
+    }
     int failed = 0;
     #pragma omp parallel num_threads(threads > 0 ? threads : 1)
     {
@@ -729,16 +810,16 @@ int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, long
             for (int bg = 0; bg < B * G; bg++)
                 lay_out_keys(k + (size_t)(bg / G) * kv_row + (size_t)(bg % G) * kv_head, kt + (size_t)bg * per_head, K, D);
         }
-        float* scores = malloc(sizeof(float) * SCRATCH(K, D));
+        float* scores = malloc(sizeof(float) * SCRATCH((K + parts - 1) / parts, D));
         if (!scores) {
             #pragma omp atomic write
             failed = 1;
         }
         #pragma omp for schedule(dynamic)
-        for (int item = 0; item < B * G * chunks; item++) {
+        for (int item = 0; item < B * G * chunks * parts; item++) {
             if (!scores)
                 continue;
-            int bg = item / chunks, r0 = (item % chunks) * ATT_ROWS, b = bg / G, g = bg % G;
+            int chunk = item / parts, bg = chunk / chunks, r0 = (chunk % chunks) * ATT_ROWS, b = bg / G, g = bg % G;
             int n = rows - r0 < ATT_ROWS ? rows - r0 : ATT_ROWS;
             const uint16_t* q_at[ATT_ROWS];
             const void* mask_at[ATT_ROWS];
@@ -750,13 +831,39 @@ int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, long
                 mask_at[i] = !mask ? 0 : mask_bf16 ? (const void*)((const uint16_t*)mask + m) : (const void*)((const float*)mask + m);
                 o_at[i] = out + (((size_t)b * T + t) * H + h) * D;
             }
-            attend_rows(q_at, mask_at, mask_bf16, o_at, n, k + (size_t)b * kv_row + (size_t)g * kv_head,
-                        kt ? kt + (size_t)bg * per_head : NULL, v + (size_t)b * kv_row + (size_t)g * kv_head, K, D,
-                        scale, scores);
+            const uint16_t *keys = k + (size_t)b * kv_row + (size_t)g * kv_head, *values = v + (size_t)b * kv_row + (size_t)g * kv_head;
+            if (parts == 1) {
+                attend_rows(q_at, mask_at, mask_bf16, o_at, n, keys, kt ? kt + (size_t)bg * per_head : NULL, values, K, D,
+                            scale, scores);
+                continue;
+            }
+#if KEY_PARTS
+            float* results = partial + (size_t)item * PARTIAL(D);
+            int part = item % parts;
+            attend_part(q_at, mask_at, mask_bf16, n, keys, values, (int)((long)K * part / parts),
+                        (int)((long)K * (part + 1) / parts), D, scale, scores, results, results + ATT_ROWS,
+                        results + 2 * ATT_ROWS);
+#endif
         }
+#if KEY_PARTS
+        if (parts > 1 && !failed) {
+            #pragma omp for schedule(static)
+            for (int chunk = 0; chunk < B * G * chunks; chunk++) {
+                int bg = chunk / chunks, r0 = (chunk % chunks) * ATT_ROWS, b = bg / G, g = bg % G;
+                int n = rows - r0 < ATT_ROWS ? rows - r0 : ATT_ROWS;
+                uint16_t* o_at[ATT_ROWS];
+                for (int i = 0; i < n; i++) {
+                    int h = g * group + (r0 + i) / T, t = (r0 + i) % T;
+                    o_at[i] = out + (((size_t)b * T + t) * H + h) * D;
+                }
+                merge_parts(partial + (size_t)chunk * parts * PARTIAL(D), parts, n, D, o_at);
+            }
+        }
+#endif
         free(scores);
     }
     free(kt);
+    free(partial);
     return failed;
 }
 
