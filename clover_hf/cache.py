@@ -30,6 +30,35 @@ class GrowingLayer(DynamicLayer):
     stores made in it (a decoding call's) are copied first, as inference tensors cannot be written there."""
 
     SPARE = 128
+    _length: int | None = None  # where set_length left the keys and values the stores' first slots, not yet cut
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        if self._length is not None:
+            self._cut()
+        return self._keys
+
+    @keys.setter
+    def keys(self, keys: torch.Tensor | None) -> None:
+        if self._length is not None:
+            self._cut()
+        self._keys = keys
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if self._length is not None:
+            self._cut()
+        return self._values
+
+    @values.setter
+    def values(self, values: torch.Tensor | None) -> None:
+        if self._length is not None:
+            self._cut()
+        self._values = values
+
+    def _cut(self) -> None:
+        end, self._length = self._length, None
+        self._keys, self._values = self._views = (self.stores[0].narrow(2, 0, end), self.stores[1].narrow(2, 0, end))
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -41,7 +70,7 @@ class GrowingLayer(DynamicLayer):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        length = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+        length = self.get_seq_length()
         end = length + key_states.shape[-2]
         key_store, value_store = self._room(end, key_states, value_states)
         key_store.narrow(2, length, end - length).copy_(key_states)
@@ -52,18 +81,16 @@ class GrowingLayer(DynamicLayer):
     def reserve(self, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The stores, holding the keys and values so far and room for `end` slots, for a caller that writes the new
         slots itself (then calls `set_length(end)`); None where the layer holds no keys yet."""
-        if not self.is_initialized or self.keys.dim() != 4:
+        if not self.is_initialized or (self._length is None and self.keys.dim() != 4):
             return None
-        return self._room(end, self.keys, self.values)
+        return self._room(end, self._keys, self._values)
 
     def _room(self, end: int, key_like: torch.Tensor, value_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The stores, made anew (holding the keys and values so far) where they are not views of them, lack room
         for `end` slots or may not be written here; new ones are shaped and typed as `key_like`, `value_like`."""
-        keys, values = self.keys, self.values
-        views = self._views  # views this layer set itself need no check of where they lie
-        if (views is None or views[0] is not keys or views[1] is not values or end > self.stores[0].shape[-2]
-                or (self._inference and not torch.is_inference_mode_enabled())) and not self._writable(end):
-            self.stores = (self._store(keys, key_like, end), self._store(values, value_like, end))
+        if (not self.holds_views() or end > self.stores[0].shape[-2]  # views this layer set need no check of where
+                or (self._inference and not torch.is_inference_mode_enabled())) and not self._writable(end):  # they lie
+            self.stores = (self._store(self.keys, key_like, end), self._store(self.values, value_like, end))
             self._inference = self.stores[0].is_inference()
         return self.stores
 
@@ -80,8 +107,21 @@ class GrowingLayer(DynamicLayer):
         return out
 
     def set_length(self, end: int) -> None:
-        """Keys and values cut to their first `end` slots (compaction), still views of the stores."""
-        self.keys, self.values = self._views = (self.stores[0].narrow(2, 0, end), self.stores[1].narrow(2, 0, end))
+        """Keys and values cut to the stores' first `end` slots (compaction), as views made when next read: the
+        kernel's forwards and compaction read the stores, and making SmolLM2's 60 views took ~0.2 ms a step."""
+        self._length = end
+
+    def get_seq_length(self) -> int:
+        return self._length if self._length is not None else super().get_seq_length()
+
+    def holds_views(self) -> bool:
+        """Whether the keys and values are the stores' first slots, as `set_length` left them."""
+        views = self._views
+        return self._length is not None or (views is not None and views[0] is self._keys and views[1] is self._values)
+
+    def slot_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tensors holding the keys and values at their slots: the stores, where they hold them as views."""
+        return self.stores if self.holds_views() else (self.keys, self.values)
 
     def _writable(self, end: int) -> bool:
         """Whether the stores hold the keys and values as views and `end` slots, and may be written here."""
@@ -176,7 +216,7 @@ def _set_length(layer, end: int) -> None:
     its address stays fixed for compiled forwards), a dynamic layer's tensors are cut."""
     if _static_layer(layer):
         layer.cumulative_length.fill_(end)
-    elif isinstance(layer, GrowingLayer) and layer._views is not None and layer._views[0] is layer.keys:
+    elif isinstance(layer, GrowingLayer) and layer.holds_views():
         layer.set_length(end)
     else:
         layer.keys = layer.keys.narrow(-2, 0, end)
@@ -234,10 +274,11 @@ def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> N
     moved = keep.shape[1] - start
     src = keep[:, start:] + prefix_len
     layers = _layers(cache)
-    if moved and not bf16_kernel.move_slots([t for layer in layers for t in (layer.keys, layer.values)], src,
-                                            prefix_len + start):
-        for layer in layers:
-            for t in (layer.keys, layer.values):
+    if moved:  # a growing layer's stores hold its slots: reading its keys would make views only for this
+        tensors = [t for layer in layers
+                   for t in (layer.slot_tensors() if isinstance(layer, GrowingLayer) else (layer.keys, layer.values))]
+        if not bf16_kernel.move_slots(tensors, src, prefix_len + start):
+            for t in tensors:
                 t.narrow(-2, prefix_len + start, moved).copy_(_gather_slots(t, src))
     for layer in layers:
         _set_length(layer, end)

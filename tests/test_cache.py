@@ -121,6 +121,35 @@ def test_a_growing_cache_goes_on_in_place_after_compaction_and_copies_after_repl
     assert _positions(cache.layers[1]) == [1000, 1001, 1002, 1005, 1010, 1011, 1020]
 
 
+def test_a_growing_layers_cut_keys_are_made_when_read(monkeypatch):
+    """`set_length` only records the length (the kernel's forwards and compaction read the stores): its length is
+    reported at once, and the keys and values read later are the stores' first slots, also where one is replaced
+    before the other is read; compaction moves slots in the stores without making the views."""
+    cache = new_cache()
+    _step(cache, 0, 8)
+    layer = cache.layers[0]
+    cuts = []
+    real_narrow = torch.Tensor.narrow
+
+    def narrow(t, *args):
+        if args[:2] == (2, 0):  # a view of a store's first slots (moves narrow to others)
+            cuts.append(args)
+        return real_narrow(t, *args)
+
+    monkeypatch.setattr(torch.Tensor, "narrow", narrow)
+    layer.set_length(6)
+    compact_cache(cache, 2, torch.tensor([[0, 3], [0, 2]]))  # slots 2, 5 (row 0) and 2, 4 (row 1) behind the prefix
+    assert layer.get_seq_length() == 4 and cache.get_seq_length() == 4 and not cuts
+    monkeypatch.setattr(torch.Tensor, "narrow", real_narrow)
+    keys = layer.keys
+    assert keys.shape[-2] == 4 and keys.data_ptr() == layer.stores[0].data_ptr()
+    assert _positions(layer) == [0, 1, 2, 5] and layer.values[1, 0, :, 0].tolist() == [0, -1, -2, -4]
+    layer.set_length(3)
+    layer.keys, layer.values = layer.keys[:1], layer.values[:1]  # a caller's own (the values were cut first)
+    assert layer.keys.shape[:3] == layer.values.shape[:3] == (1, 2, 3) and not layer.holds_views()
+    assert _positions(layer) == [0, 1, 2]
+
+
 def test_a_growing_cache_made_in_inference_mode_goes_on_outside_it():
     """A decoding call's cache holds inference tensors; a caller may go on decoding with it outside inference mode
     (plain `generate` runs under no_grad), where those cannot be written: the stores are copied first."""
