@@ -20,6 +20,25 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from . import bf16_kernel
 
 
+class _CutView:
+    """A growing layer's keys or values: cut from its store when read after `set_length` (see there)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, layer, owner: type | None = None) -> torch.Tensor | None:
+        if layer is None:
+            return self
+        if layer._length is not None:
+            layer._cut()
+        return getattr(layer, self.slot)
+
+    def __set__(self, layer, tensor: torch.Tensor | None) -> None:
+        if layer._length is not None:
+            layer._cut()
+        setattr(layer, self.slot, tensor)
+
+
 class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` whose keys and values are views of larger tensors (its stores), which new tokens are written
     into in place: `DynamicLayer` concatenates, copying the whole layer at every forward. SmolLM2's one-token
@@ -32,29 +51,8 @@ class GrowingLayer(DynamicLayer):
     SPARE = 128
     _length: int | None = None  # where set_length left the keys and values the stores' first slots, not yet cut
 
-    @property
-    def keys(self) -> torch.Tensor | None:
-        if self._length is not None:
-            self._cut()
-        return self._keys
-
-    @keys.setter
-    def keys(self, keys: torch.Tensor | None) -> None:
-        if self._length is not None:
-            self._cut()
-        self._keys = keys
-
-    @property
-    def values(self) -> torch.Tensor | None:
-        if self._length is not None:
-            self._cut()
-        return self._values
-
-    @values.setter
-    def values(self, values: torch.Tensor | None) -> None:
-        if self._length is not None:
-            self._cut()
-        self._values = values
+    keys = _CutView()
+    values = _CutView()
 
     def _cut(self) -> None:
         end, self._length = self._length, None
