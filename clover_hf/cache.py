@@ -86,8 +86,9 @@ class GrowingLayer(DynamicLayer):
     def _room(self, end: int, key_like: torch.Tensor, value_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The stores, made anew (holding the keys and values so far) where they are not views of them, lack room
         for `end` slots or may not be written here; new ones are shaped and typed as `key_like`, `value_like`."""
-        if (not self.holds_views() or end > self.stores[0].shape[-2]  # views this layer set need no check of where
-                or (self._inference and not torch.is_inference_mode_enabled())) and not self._writable(end):  # they lie
+        # views this layer set itself need no check of where they lie
+        if (not self.holds_views() or end > self.stores[0].shape[-2]
+                or (self._inference and not torch.is_inference_mode_enabled())) and not self._writable(end):
             self.stores = (self._store(self.keys, key_like, end), self._store(self.values, value_like, end))
             self._inference = self.stores[0].is_inference()
         return self.stores
