@@ -492,10 +492,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     sum of values are float32, rounded to bf16 once at the end. The AVX2 build weighs values in blocks of keys that
     stay in L1, and splits a head's keys among threads where its rows would leave one idle (one token's 3 key/value
     heads on 2 threads): over 30 layers' caches of 1,500 keys, 76 / 191 / 296 us a layer at 1 / 4 / 8 tokens against
-    111 / 285 / 462 before; long prompts' one-token forwards 12.8-13.1 against 14.1-15.5 ms. `mask`: additive, (B, 1, T, K), bf16 or float32;
-    None where every query sees every key. None where the inputs are not of that form, or no kernel is loaded. Keys
-    and values are read as they lie where each head's slots follow one another (a growing cache's views of its
-    stores), else from contiguous copies."""
+    111 / 285 / 462 before; long prompts' one-token forwards 12.8-13.1 against 14.1-15.5 ms.
+    `mask`: additive, (B, 1, T, K), bf16 or float32; None where every query sees every key. None where the inputs
+    are not of that form, or no kernel is loaded. Keys and values are read as they lie where each head's slots follow
+    one another (a growing cache's views of its stores), else from contiguous copies."""
     batch, heads, tokens, dim = query.shape
     kv, bf16 = key.shape, torch.bfloat16
     if not (len(kv) == 4 and kv == value.shape and kv[0] == batch and kv[3] == dim and heads % kv[1] == 0
