@@ -18,7 +18,8 @@ SmolLM2's decoder shapes took, in ms at 1 / 2 / 4 / 8 / 16 rows:
 11.1 / 13.8 / - / 30.6 ms on the AVX2-only EPYC, Zen 3, against 17.6 / 30.9 / 55.8 / - / 202 in `F.linear`).
 
 It reads each weight byte once for a block of rows (8 with AVX-512-BF16's bf16 pair products, 4 with
-AVX2, which widens the weights to float32 in registers), in a layout that streams through memory in
+AVX2, which widens the weights to float32 in registers; more rows there take up to 6 a pass over half a
+tile, a 4 KB chunk of it at a time while it stays in L1), in a layout that streams through memory in
 order, and returns with a few microseconds of call overhead (oneDNN's blocked product had ~10 us fixed).
 Where torch has no native bf16 products (AVX2-only CPUs) it converts bf16 to float32 around each one;
 this kernel reads the bf16 bytes alone. Like every form, it is used only where timed faster.

@@ -48,7 +48,7 @@ def test_the_kernel_computes_the_product_to_bf16_rounding(isa, rows, with_bias, 
     and even numbers of input pairs, with and without a bias, and inputs of more than two dimensions."""
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     torch.manual_seed(rows)
-    for out_features, in_features in ((96, 64), (32, 6), (64, 10)):
+    for out_features, in_features in ((96, 64), (32, 6), (64, 10), (64, 200)):
         weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
         bias = torch.randn(out_features, dtype=torch.bfloat16) if with_bias else None
         x = torch.randn(2, rows, in_features, dtype=torch.bfloat16)
@@ -62,6 +62,21 @@ def test_the_kernel_computes_the_product_to_bf16_rounding(isa, rows, with_bias, 
         bf16_kernel.linear(x.float(), bf16_kernel.tile(weight), bias)
     with pytest.raises(RuntimeError, match="cannot multiply"):  # and rows of another size
         bf16_kernel.linear(x[..., :-2], bf16_kernel.tile(weight), bias)
+
+
+@pytest.mark.parametrize("isa", [build for build in BUILDS if build.values == ("avx2",)])
+def test_the_avx2_build_rounds_each_row_alike_whatever_the_number_of_rows(isa, built, monkeypatch):
+    """AVX2's sums add in one order at every row count (more than 4 rows go up to 6 a pass over half a tile, a
+    chunk of input pairs at a time): each row of a product of 1-20 rows is bitwise that row's product alone."""
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    torch.manual_seed(0)
+    weight = torch.randn(96, 200, dtype=torch.bfloat16)  # 100 input pairs: whole chunks and part of one
+    tiled, bias = bf16_kernel.tile(weight), torch.randn(96)
+    x = torch.randn(20, 200, dtype=torch.bfloat16)
+    alone = torch.cat([bf16_kernel.linear(x[i : i + 1], tiled, bias) for i in range(20)])
+    _close_to_float64(alone, x, weight, bias)
+    for rows in range(2, 21):
+        assert torch.equal(bf16_kernel.linear(x[:rows], tiled, bias), alone[:rows])
 
 
 @pytest.mark.parametrize("isa", BUILDS)
