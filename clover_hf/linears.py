@@ -864,6 +864,7 @@ def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: Weight
             return copy, None if bias is None else biases[id(bias)], sizes
 
         forward.kernel_weights = kernel_weights
+        forward.steady_rows = PACK_ROWS if verify_settled else 0  # up to which row count its answer holds all block
         return forward
 
     for m in layers:

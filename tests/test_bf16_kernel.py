@@ -955,3 +955,47 @@ def test_verify_forwards_of_a_model_whose_layers_run_in_one_call_skip_its_python
         again = run()
     assert ran == [True, False] and list(lean._MODELS_CHECKED.values()) == [False]  # the own forward's output returned
     assert all(torch.equal(g, w) for g, w in zip(again, want))
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_verify_forwards_of_changing_widths_look_each_widths_weights_up_once(isa, built, monkeypatch):
+    """Drafted steps change width every few steps: the layers in one kernel call look the weights of each row count up
+    once a block of linear forms (not at every change), and forwards of 3, 1, 3 and 1 tokens stay bitwise the model's
+    own."""
+    import clover_hf.lean_layers as lean
+    from clover_hf import verify_forward
+    from clover_hf.cache import new_cache
+
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
+    looked = []
+    real_weights = lean._WholeLayer.weights
+    monkeypatch.setattr(lean._WholeLayer, "weights", lambda self, rows: looked.append(rows) or real_weights(self, rows))
+    model = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
+    ids = torch.randint(0, 256, (1, 14))
+
+    def run():
+        outs = []
+        with torch.no_grad(), lean.lean_layers(model, pack=True), linear_forms(
+                [model], {1 << k: TILED for k in range(5)}, WeightCopies(limit=10**9)):
+            cache = new_cache()
+            model(ids[:, :6], cache=cache, use_cache=True)
+            verify, at = verify_forward.VerifyForward(model, False), 6
+            for width in (3, 1, 3, 1):
+                if width == 1:
+                    mask = torch.ones(1, at + 1, dtype=torch.long)
+                else:
+                    later = torch.ones(width, at + width, dtype=torch.bool).triu(at + 1)
+                    mask = torch.zeros(1, 1, width, at + width, dtype=torch.bfloat16).masked_fill(
+                        later, torch.finfo(torch.bfloat16).min)
+                outs += verify(ids[:, at : at + width], mask, torch.arange(at, at + width)[None], cache)
+                at += width
+        return outs + [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+    got = run()
+    layers = model.config.num_hidden_layers
+    assert sorted(looked) == [1] * layers + [3] * layers
+    monkeypatch.setattr(verify_forward, "model_forward", lambda model: None)
+    want = run()
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.equal(g, w)
