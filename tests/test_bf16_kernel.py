@@ -67,15 +67,16 @@ def test_the_kernel_computes_the_product_to_bf16_rounding(isa, rows, with_bias, 
 @pytest.mark.parametrize("isa", [build for build in BUILDS if build.values == ("avx2",)])
 def test_the_avx2_build_rounds_each_row_alike_whatever_the_number_of_rows(isa, built, monkeypatch):
     """AVX2's sums add in one order at every row count (more than 4 rows go up to 6 a pass over half a tile, a
-    chunk of input pairs at a time): each row of a product of 1-20 rows is bitwise that row's product alone."""
+    chunk of input pairs at a time; a prefill's a block of rows at a time): each row of a product of 1-20 rows, and
+    of 450, is bitwise that row's product alone."""
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     torch.manual_seed(0)
     weight = torch.randn(96, 200, dtype=torch.bfloat16)  # 100 input pairs: whole chunks and part of one
     tiled, bias = bf16_kernel.tile(weight), torch.randn(96)
-    x = torch.randn(20, 200, dtype=torch.bfloat16)
-    alone = torch.cat([bf16_kernel.linear(x[i : i + 1], tiled, bias) for i in range(20)])
+    x = torch.randn(450, 200, dtype=torch.bfloat16)
+    alone = torch.cat([bf16_kernel.linear(x[i : i + 1], tiled, bias) for i in range(450)])
     _close_to_float64(alone, x, weight, bias)
-    for rows in range(2, 21):
+    for rows in [*range(2, 21), 450]:
         assert torch.equal(bf16_kernel.linear(x[:rows], tiled, bias), alone[:rows])
 
 
