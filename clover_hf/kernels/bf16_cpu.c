@@ -473,7 +473,7 @@ static int rows_at_once(const uint16_t* x, const uint16_t* wb, const float* bias
  * The tiles are shared among `threads` OpenMP threads (torch's own pool where the runtime is the same).
  * With AVX2, a prefill's rows go ROW_BLOCK at a time: every tile reads all the rows it is given, and a prefill's
  * (their float32 copy: 9 MB for 1,474 rows of 1,536) then streamed from memory for each; SmolLM2's 210 decoder
- * products of 1,474 rows took 2.0-2.2 against 3.2 s (AVX2-only EPYC). A multiple of the blocks of rows, so each
+ * products of 1,474 rows took 2.0-2.2 against 2.4-3.2 s (AVX2-only EPYC). A multiple of the blocks of rows, so each
  * row's sums add alike. */
 #define ROW_BLOCK 192
 int bf16_rows(const uint16_t* x, const uint16_t* wb, const float* bias, uint16_t* y, int R, int I, int O,
