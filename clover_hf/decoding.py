@@ -407,7 +407,8 @@ def _accept_rows(rows: list[Row], drafts: list[Draft], logits: torch.Tensor, log
             nodes, bonus = accept_sampled(tokens, scores.softmax(-1), tree, uniforms)
         else:
             targets = bf16_kernel.argmax(scores)
-            nodes, bonus = accept_greedy(tokens, scores.argmax(-1) if targets is None else targets, tree)
+            nodes, bonus = accept_greedy(tokens, scores.argmax(-1) if targets is None else targets, tree,
+                                         None if draft.host is None else draft.host[1])
         stats.accepted_lengths.append(nodes.shape[0] - 1)
         stats.verified_tokens += n
         if budget is not None:

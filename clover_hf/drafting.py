@@ -29,7 +29,10 @@ class Draft:
 
     def on_host(self) -> tuple[list[int], list[int], list[float], list[bool]]:
         """(depths, parents, probs, is_chain) as lists, read in one transfer (the step's one host sync)."""
-        if self.host is None:
+        if self.host is None and isinstance(self.tree, TreeBuffers):  # a static tree's shape is known: read the probs
+            depths, parents, chain = self.tree.on_host
+            self.host = (list(depths), list(parents), self.probs.float().tolist(), list(chain))
+        elif self.host is None:
             t = self.tree
             depths, parents, probs, chain = torch.stack(  # float32: exact for node counts, and MPS has no float64
                 [t.depths.float(), t.parents.float(), self.probs.float(), self.is_chain.float()]).tolist()
@@ -40,8 +43,8 @@ class Draft:
         """The draft cut to `nodes` (sorted, root first, closed under parents)."""
         depths, parents, probs, is_chain = self.on_host()
         kept_parents, kept_depths = prune(parents, depths, nodes)
-        index, parents_t, depths_t = torch.tensor([nodes, kept_parents, kept_depths], device=self.tokens.device)
-        tree = StepTree.from_parents(parents_t, depths_t, max(kept_depths))
+        index = torch.tensor(nodes, device=self.tokens.device)
+        tree = StepTree.from_lists(kept_parents, kept_depths, self.tokens.device)
         host = (kept_depths, kept_parents, [probs[i] for i in nodes], [is_chain[i] for i in nodes])
         return Draft(self.tokens[index], tree, self.probs[index], self.is_chain[index], self.ngram, host)
 

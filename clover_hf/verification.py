@@ -189,20 +189,33 @@ def _depth_prefixes(input_ids: torch.Tensor, tokens: torch.Tensor, tree: TreeBuf
 
 
 def accept_greedy(
-    tokens: torch.Tensor, targets: torch.Tensor, tree: TreeBuffers | StepTree
+    tokens: torch.Tensor, targets: torch.Tensor, tree: TreeBuffers | StepTree, parents: list[int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Deepest node whose path from the root matches the base's choice at every step.
 
     tokens, targets: (N,) drafted token and base argmax at each node; nodes are sorted by depth.
-    Returns the accepted node indices (root first) and the bonus token (the base's choice after the
-    last accepted node).
+    `parents`: the tree's parents as a list, where the caller holds them on the host (else read with the
+    tokens). Returns the accepted node indices (root first) and the bonus token (the base's choice after
+    the last accepted node). The walk runs on the host, over the tokens read in one transfer (the step's
+    one host sync): as torch ops on a tree of a few nodes it took ~0.18 ms a step (SmolLM2, AVX2-only
+    EPYC).
     """
     if tokens.shape[0] == 1:  # a plain decoding step
         return tokens.new_zeros(1), targets[0]
-    correct = tokens == targets[tree.parents]
-    correct[0] = True
-    last, nodes = _deepest_path(correct, tree)
-    return nodes, targets[last]
+    rows = [tokens, targets.to(tokens.dtype)] + ([] if parents is not None else [tree.parents.to(tokens.dtype)])
+    drafted, chosen, *read = torch.stack(rows).tolist()
+    parents = read[0] if parents is None else parents
+    on_path, depths, last = [True], [0], 0
+    for node in range(1, len(parents)):
+        parent = parents[node]
+        on_path.append(on_path[parent] and drafted[node] == chosen[parent])
+        depths.append(depths[parent] + 1)
+        if on_path[node] and depths[node] > depths[last]:  # the first of the deepest, as an argmax picks
+            last = node
+    path = [last]
+    while path[-1]:
+        path.append(parents[path[-1]])
+    return torch.tensor(path[::-1], device=tokens.device), targets[last]
 
 
 def _deepest_path(passed: torch.Tensor, tree: TreeBuffers | StepTree) -> tuple[torch.Tensor, torch.Tensor]:

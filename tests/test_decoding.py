@@ -7,11 +7,13 @@ import contextlib
 
 import pytest
 import torch
-from transformers import StoppingCriteria, TextStreamer
+from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from clover_hf import CloverForCausalLM
 from clover_hf.cache import OUTPUT_CACHE_FIELD
 from clover_hf.decoding import clover_generate
+from clover_hf.rows import Emitter
 
 from .tiny import ARCHS, byte_tokenizer, check_stats, oracle_model, prompt, same, tiny_model
 
@@ -126,6 +128,66 @@ def test_eos_inside_accepted_path(arch):
             out = clover.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=eos_arg)
             assert same(out, ref)
             assert out[0, -1].item() == eos and out.shape[1] == ids.shape[1] + k + 1
+
+
+class _StopAt(StoppingCriteria):
+    """Stops once the text holds `length` tokens: a criterion of the caller's, which Clover calls token by token."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_callers_criterion_stops_inside_an_accepted_path(arch):
+    base = tiny_model(arch)
+    ids = prompt(4)
+    free = base.generate(ids, max_new_tokens=30, do_sample=False)
+    for k in (2, 5, 9):
+        stop = StoppingCriteriaList([_StopAt(ids.shape[1] + k)])
+        ref = base.generate(ids, max_new_tokens=30, do_sample=False, stopping_criteria=stop)
+        clover = oracle_model(base, free)
+        out = clover.generate(ids, max_new_tokens=30, do_sample=False, stopping_criteria=stop)
+        assert same(out, ref) and out.shape[1] == ids.shape[1] + k
+        assert max(clover.generation_stats.accepted_lengths) >= 2  # the oracle's paths run past the stop
+
+
+class _Eos(EosTokenCriteria):  # the same criteria under other types: called token by token
+    pass
+
+
+class _MaxLength(MaxLengthCriteria):
+    pass
+
+
+def test_emitter_reads_eos_and_max_length_as_the_criteria_decide_them():
+    torch.manual_seed(0)
+    for trial in range(200):
+        eos = torch.randint(0, 12, (int(torch.randint(1, 3, ())),)).tolist()
+        max_length = int(torch.randint(4, 12, ()))
+        limit = [None, 5, 9][trial % 3]
+        start = torch.randint(0, 12, (1, int(torch.randint(1, 4, ()))))
+        tokens = torch.randint(0, 12, (int(torch.randint(1, 6, ())),))
+        scores = torch.zeros(tokens.shape[0], 12)
+        results = []
+        for criteria in ([MaxLengthCriteria(max_length, limit), EosTokenCriteria(eos)],
+                         [_MaxLength(max_length, limit), _Eos(eos)]):
+            calls = []
+            listed = StoppingCriteriaList(criteria)
+            counted = lambda ids, s, listed=listed, calls=calls: calls.append(1) or StoppingCriteriaList.__call__(
+                listed, ids, s)
+            emitter = Emitter(start.clone(), listed, None, [], None)
+            emitter.stopping_criteria = type("Counted", (StoppingCriteriaList,), {"__call__": staticmethod(counted)})(
+                listed)
+            n, finished = emitter.emit(tokens, scores, scores)
+            results.append((n, finished, emitter.input_ids.tolist(), len(emitter.scores), len(calls)))
+        (n, finished, ids, kept, calls), (*slow, slow_calls) = results
+        assert (n, finished, ids, kept) == tuple(slow)
+        assert slow_calls > 0
+        # read here unless the text would pass the model's position limit (where max-length warns)
+        assert calls == (0 if limit is None or start.shape[1] + tokens.shape[0] <= limit else slow_calls)
 
 
 def VOCAB_UNUSED(tokens: list[int]) -> int:

@@ -60,6 +60,36 @@ def test_accept_greedy_picks_longest_path_and_bonus():
     assert nodes.tolist() == [0, 1, 3, 6] and bonus.item() == 42
 
 
+def test_accept_greedy_takes_the_first_of_the_deepest_matching_paths():
+    # random trees whose siblings may carry the same token (a lookup chain repeating a drafted one): the accepted path
+    # is the deepest whose every node matches, the first in node order among equally deep ones
+    from clover_hf.tree import StepTree
+
+    torch.manual_seed(0)
+    for _ in range(300):
+        n = int(torch.randint(2, 14, ()))
+        parents = [0] + [int(torch.randint(0, i, ())) for i in range(1, n)]
+        depths = [0]
+        for i in range(1, n):
+            depths.append(depths[parents[i]] + 1)
+        order = sorted(range(n), key=lambda i: (depths[i], i))  # nodes sorted by depth, parents first
+        index = {old: new for new, old in enumerate(order)}
+        parents = [index[parents[old]] for old in order]
+        depths = [depths[old] for old in order]
+        tree = StepTree.from_parents(torch.tensor(parents), torch.tensor(depths), max(depths))
+        tokens, targets = torch.randint(0, 3, (n,)), torch.randint(0, 3, (n,))
+        on_path = [True] * n
+        for i in range(1, n):
+            on_path[i] = on_path[parents[i]] and tokens[i] == targets[parents[i]]
+        last = max(range(n), key=lambda i: (on_path[i], depths[i], -i))
+        path = [last]
+        while path[-1]:
+            path.append(parents[path[-1]])
+        for given in (None, parents):
+            nodes, bonus = accept_greedy(tokens, targets, tree, given)
+            assert nodes.tolist() == path[::-1] and bonus.item() == targets[last].item()
+
+
 def test_additive_mask_prefix_tree_and_window():
     t = build_tree(TREE)
     past = torch.tensor([-1, 0, 1, 2, 3])  # one padded key, then positions 0..3
