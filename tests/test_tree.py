@@ -90,6 +90,22 @@ def test_accept_greedy_takes_the_first_of_the_deepest_matching_paths():
             assert nodes.tolist() == path[::-1] and bonus.item() == targets[last].item()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_unpadded_rows_tree_mask_is_the_layouts(dtype):
+    from clover_hf.rows import Batch
+    from clover_hf.verification import MaskLayout
+
+    layout = MaskLayout(mapping=False, sliding_window=None)
+    t = build_tree(TREE)
+    for past in (1, 7, 40):
+        positions = torch.arange(past)[None]
+        batch = Batch([], None, positions, layout, plain_mask=True)
+        node_pos = (past + t.depths)[None]
+        mask = batch.attention(node_pos, t.ancestors[None], dtype)
+        assert torch.equal(mask, layout.build(positions, node_pos, t.ancestors[None], dtype))
+        assert mask.dtype == dtype and (mask[0, 0, :, :past] == 0).all()
+
+
 def test_additive_mask_prefix_tree_and_window():
     t = build_tree(TREE)
     past = torch.tensor([-1, 0, 1, 2, 3])  # one padded key, then positions 0..3
