@@ -53,4 +53,4 @@ __all__ = [
     "DynamicTree",
     "clover_generate",
 ]
-__version__ = "0.29.0"
+__version__ = "0.30.0"
