@@ -163,6 +163,16 @@ class _MaxLength(MaxLengthCriteria):
     pass
 
 
+class _Counted(StoppingCriteriaList):
+    """The criteria, counting the emitter's calls."""
+
+    calls = 0
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls += 1
+        return super().__call__(input_ids, scores, **kwargs)
+
+
 def test_emitter_reads_eos_and_max_length_as_the_criteria_decide_them():
     torch.manual_seed(0)
     for trial in range(200):
@@ -175,15 +185,10 @@ def test_emitter_reads_eos_and_max_length_as_the_criteria_decide_them():
         results = []
         for criteria in ([MaxLengthCriteria(max_length, limit), EosTokenCriteria(eos)],
                          [_MaxLength(max_length, limit), _Eos(eos)]):
-            calls = []
-            listed = StoppingCriteriaList(criteria)
-            counted = lambda ids, s, listed=listed, calls=calls: calls.append(1) or StoppingCriteriaList.__call__(
-                listed, ids, s)
-            emitter = Emitter(start.clone(), listed, None, [], None)
-            emitter.stopping_criteria = type("Counted", (StoppingCriteriaList,), {"__call__": staticmethod(counted)})(
-                listed)
+            counted = _Counted(criteria)
+            emitter = Emitter(start.clone(), counted, None, [], None)
             n, finished = emitter.emit(tokens, scores, scores)
-            results.append((n, finished, emitter.input_ids.tolist(), len(emitter.scores), len(calls)))
+            results.append((n, finished, emitter.input_ids.tolist(), len(emitter.scores), counted.calls))
         (n, finished, ids, kept, calls), (*slow, slow_calls) = results
         assert (n, finished, ids, kept) == tuple(slow)
         assert slow_calls > 0
