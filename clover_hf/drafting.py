@@ -28,7 +28,7 @@ class Draft:
     host: tuple[list[int], list[int], list[float], list[bool]] | None = None
 
     def on_host(self) -> tuple[list[int], list[int], list[float], list[bool]]:
-        """(depths, parents, probs, is_chain) as lists, read in one transfer (the step's one host sync)."""
+        """(depths, parents, probs, is_chain) as lists, read in one transfer (a host sync)."""
         if self.host is None and isinstance(self.tree, TreeBuffers):  # a static tree's shape is known: read the probs
             depths, parents, chain = self.tree.on_host
             self.host = (list(depths), list(parents), self.probs.float().tolist(), list(chain))

@@ -24,7 +24,8 @@ REPACK_UNUSED_SHARE = 0.5  # a batch's cache is repacked once more than this sha
 
 @dataclass
 class Emitter:
-    """Appends tokens one at a time, honouring stopping criteria, the streamer and output scores."""
+    """Appends a step's tokens, honouring stopping criteria (called token by token where it cannot read them
+    itself), the streamer and output scores."""
 
     input_ids: torch.Tensor
     stopping_criteria: StoppingCriteriaList

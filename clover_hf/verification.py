@@ -196,9 +196,8 @@ def accept_greedy(
     tokens, targets: (N,) drafted token and base argmax at each node; nodes are sorted by depth.
     `parents`: the tree's parents as a list, where the caller holds them on the host (else read with the
     tokens). Returns the accepted node indices (root first) and the bonus token (the base's choice after
-    the last accepted node). The walk runs on the host, over the tokens read in one transfer (the step's
-    one host sync): as torch ops on a tree of a few nodes it took ~0.18 ms a step (SmolLM2, AVX2-only
-    EPYC).
+    the last accepted node). The walk runs on the host, over the tokens read in one transfer (its one host
+    sync): as torch ops on a tree of a few nodes it took ~0.18 ms a step (SmolLM2, AVX2-only EPYC).
     """
     if tokens.shape[0] == 1:  # a plain decoding step
         return tokens.new_zeros(1), targets[0]
