@@ -37,27 +37,25 @@ class Emitter:
     def emit(self, tokens: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor) -> tuple[int, bool]:
         """Append tokens (n,) whose processed scores/raw logits are (n, V); return (appended, finished)."""
         stop = self._stop_within(tokens)
-        if stop is not None:  # the criteria read here: one append
-            n = tokens.shape[0] if stop == 0 else stop
-            self.input_ids = torch.cat([self.input_ids, tokens[:n].view(1, n)], dim=1)
-            for i in range(n):
-                if self.scores is not None:
-                    self.scores.append(scores[i : i + 1])
-                if self.raw_logits is not None:
-                    self.raw_logits.append(logits[i : i + 1])
-            self._stream(tokens[:n])
-            return n, stop > 0
-        for i in range(tokens.shape[0]):
-            self.input_ids = torch.cat([self.input_ids, tokens[i].view(1, 1)], dim=1)
+        if stop is None:
+            stop = self._stop_called(tokens, scores)
+        n = stop or tokens.shape[0]
+        self.input_ids = torch.cat([self.input_ids, tokens[:n].view(1, n)], dim=1)
+        for i in range(n):
             if self.scores is not None:
                 self.scores.append(scores[i : i + 1])
             if self.raw_logits is not None:
                 self.raw_logits.append(logits[i : i + 1])
-            if bool(self.stopping_criteria(self.input_ids, scores[i : i + 1]).any()):
-                self._stream(tokens[: i + 1])
-                return i + 1, True
-        self._stream(tokens)
-        return tokens.shape[0], False
+        self._stream(tokens[:n])
+        return n, stop > 0
+
+    def _stop_called(self, tokens: torch.Tensor, scores: torch.Tensor) -> int:
+        """As `_stop_within`, by calling the criteria on the text with each of `tokens` appended in turn."""
+        for i in range(tokens.shape[0]):
+            text = torch.cat([self.input_ids, tokens[: i + 1].view(1, i + 1)], dim=1)
+            if bool(self.stopping_criteria(text, scores[i : i + 1]).any()):
+                return i + 1
+        return 0
 
     def _stop_within(self, tokens: torch.Tensor) -> int | None:
         """Where the stopping criteria are all transformers' max-length and end-of-sequence ones, read here: how

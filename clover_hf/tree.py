@@ -98,7 +98,7 @@ def _build_tree(drafted: tuple[tuple[int, ...], ...], device: str, lookup: int) 
     index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
     depths = [0] + [len(p) for p in paths]
     parents = [0] + [index[p[:-1]] for p in paths]
-    shape = StepTree.from_parents(torch.tensor(parents), torch.tensor(depths), max(depths))
+    shape = StepTree.from_lists(parents, depths, torch.device("cpu"))
     has_children = {p[:-1] for p in paths}
 
     levels = []
