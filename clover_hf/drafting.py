@@ -60,9 +60,12 @@ def catch_up(heads: DraftHeads, row) -> int:
     Returns how many positions it ran."""
     if not row.pending:
         return 0
-    hidden, embeds, positions = (torch.cat(parts, dim=1) for parts in zip(*row.pending))
-    features, row.aug_cache = heads.features(hidden, embeds, positions, cache=row.aug_cache)
-    row.feature = features[0, -1]
+    hidden, embeds, positions = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1) for parts in zip(*row.pending))
+    feature = heads.draft_feature(hidden, embeds, positions, row.aug_cache)
+    if feature is None:
+        features, row.aug_cache = heads.features(hidden, embeds, positions, cache=row.aug_cache)
+        feature = features[0, -1]
+    row.feature = feature
     row.pending.clear()
     return positions.shape[1]
 

@@ -117,6 +117,10 @@ def _later_keys(tokens: int, keys: int, dtype: torch.dtype) -> torch.Tensor:
 _KERNEL_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# the heads' features for drafting in one kernel call: heads -> (the kernel layers and norm weights it was made for,
+# bf16_kernel.Features), kept outside the module as above
+_KERNEL_FEATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 # the heads' static-tree drafts in one kernel call: heads -> {id(tree): (tree, ids of the tensors it points into,
 # bf16_kernel.StaticDraft, the bound forwards it was last looked up under)}, kept outside the module as above (the tree
 # is kept too: its id names no other meanwhile)
@@ -190,21 +194,30 @@ class AugmentLayer(nn.Module):
         """The layer as one `bf16_kernel.DecoderLayer` call (bitwise its calls one by one below), extending `cache`;
         None (nothing done) where its products are not all in the kernel's tiled copies (`linears.linear_forms`),
         the cache holds no keys yet, or the norms differ in epsilon."""
+        layer, weights = self.kernel_layer(), self.kernel_weights(x.numel() // x.shape[-1])
+        if layer is None or weights is None:
+            return None
+        tokens, keys = x.shape[1], cache.get_seq_length() + x.shape[1]
+        mask = _later_keys(tokens, keys, x.dtype).expand(x.shape[0], 1, tokens, keys) if tokens > 1 else None
+        return cache.extend(layer, x, cos, sin, weights, mask)
+
+    def kernel_layer(self) -> bf16_kernel.DecoderLayer | None:
+        """This layer as a `bf16_kernel.DecoderLayer` (made again after `.to()`); None where its norms differ in
+        epsilon."""
         norms = (self.input_layernorm, self.post_attention_layernorm)
         if norms[0].eps != norms[1].eps:
             return None
-        weights = layer_weights(x.numel() // x.shape[-1], self.q_proj, self.k_proj, self.v_proj, self.o_proj,
-                                self.gate_proj, self.up_proj, self.down_proj)
-        if weights is None:
-            return None
         made = _KERNEL_LAYERS.get(self)
-        if made is None or made[0] is not norms[0].weight or made[1] is not norms[1].weight:  # made anew after `.to()`
+        if made is None or made[0] is not norms[0].weight or made[1] is not norms[1].weight:
             layer = bf16_kernel.DecoderLayer(norms[0].weight, norms[1].weight, float(norms[0].eps), self.n_heads,
                                              self.n_kv, self.head_dim, self.head_dim**-0.5)
             made = _KERNEL_LAYERS[self] = (norms[0].weight, norms[1].weight, layer)
-        tokens, keys = x.shape[1], cache.get_seq_length() + x.shape[1]
-        mask = _later_keys(tokens, keys, x.dtype).expand(x.shape[0], 1, tokens, keys) if tokens > 1 else None
-        return cache.extend(made[2], x, cos, sin, weights, mask)
+        return made[2]
+
+    def kernel_weights(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor | None]] | None:
+        """The tiled weights `kernel_layer` computes `rows` rows from (`linears.layer_weights`), or None."""
+        return layer_weights(rows, self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj, self.up_proj,
+                             self.down_proj)
 
     def _kernel_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
         """Causal attention of the new positions (B, heads, T, hd) over the cache and themselves, by `bf16_kernel`
@@ -455,6 +468,12 @@ class DraftHeads(nn.Module):
         """Logits over the draft vocabulary of head i's output `hidden`: through the base's lm_head rows."""
         return lm_head(hidden)
 
+    def draft_feature(self, hidden: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor,
+                      cache) -> torch.Tensor | None:
+        """The last position's feature, as `features` computes it, by a faster path where the heads have one; else
+        None (nothing done): here none."""
+        return None
+
 
 class CloverHeads(DraftHeads):
     """All of Clover's trainable parts. Head i drafts the token i+2 positions after the state's token."""
@@ -493,6 +512,68 @@ class CloverHeads(DraftHeads):
         for layer, stored in zip(self.augment, cache.layers):
             x = layer(x, positions, stored, attn_mask)
         return self.augment_norm(x), cache
+
+    def draft_feature(self, hidden: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor,
+                      cache: AugmentCache | None) -> torch.Tensor | None:
+        """`features(...)[0][0, -1]` for one row (1, T, H) extending `cache`, in one kernel call (`bf16_kernel.Features`)
+        where it serves: bf16 on the CPU, a cache that holds keys, every product in the kernel's tiled copies; else
+        None (nothing done)."""
+        if (cache is None or torch.is_grad_enabled() or hidden.shape[0] != 1 or next_embeds.dtype is not hidden.dtype
+                or not bf16_kernel.serves(hidden)):
+            return None
+        made = self._kernel_features(hidden.dtype)
+        if made is None:
+            return None
+        rows, features, found = hidden.shape[1], made[1], made[2]
+        weights = self._feature_weights(rows, found)
+        length = cache.length
+        stores = [stored.reserve(length + rows) if stored.get_seq_length() == length else None for stored in cache.layers]
+        if weights is None or None in stores:
+            return None
+        layer = self.augment[0]
+        tables = _position_table(length + rows, layer.head_dim, layer.rope_theta, hidden.dtype)
+        feature = features(hidden, next_embeds, positions, tables, length, *weights, stores)
+        if feature is not None:
+            for stored in cache.layers:
+                stored.set_length(length + rows)
+        return feature
+
+    def _kernel_features(self, dtype: torch.dtype) -> tuple | None:
+        """(what it was made for, `bf16_kernel.Features`, [the block of linear forms it looked weights up in, {row
+        count: weights}]) for these heads, made again after `.to()`; None where the modules do not take that form."""
+        decoder, norm = self.input_decoder, self.augment_norm
+        if not (isinstance(decoder, AttentionDecoder) and decoder.norm.weight.dtype is dtype and norm.weight.dtype is dtype
+                and self.augment):
+            return None
+        made = _KERNEL_FEATURES.get(self)
+        layers = [layer.kernel_layer() for layer in self.augment]
+        if None in layers:
+            return None
+        key = (*layers, decoder.norm.weight, norm.weight)
+        if made is None or len(made[0]) != len(key) or any(a is not b for a, b in zip(made[0], key)):
+            features = bf16_kernel.Features(decoder.norm.weight, decoder.norm.eps, decoder.n_heads, norm.weight,
+                                            norm.eps, layers)
+            made = _KERNEL_FEATURES[self] = (key, features, [None, {}])
+        return made
+
+    def _feature_weights(self, rows: int, found: list) -> tuple[list, list] | None:
+        """The input decoder's q/k/v and each Augmenting Block layer's tiled weights for `rows` rows, looked up once per
+        row count within a block of linear forms (`found`, updated); None where any computes otherwise."""
+        decoder = self.input_decoder
+        forward = decoder.q_proj.forward  # a new block of linear forms binds new forwards
+        if found[0] is not forward:
+            found[:] = [forward, {}]
+        weights = found[1].get(rows)
+        if weights is None:
+            projections = [kernel_weights(p, rows, [p.out_features]) for p in (decoder.q_proj, decoder.k_proj,
+                                                                               decoder.v_proj)]
+            layers = [layer.kernel_weights(rows) for layer in self.augment]
+            if None in projections or None in layers:
+                return None
+            weights = (projections, layers)
+            if rows <= getattr(forward, "steady_rows", 0):
+                found[1][rows] = weights
+        return weights
 
     def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor,
                 position_ids: torch.Tensor | None = None) -> list[torch.Tensor]:

@@ -802,6 +802,55 @@ def test_the_augmenting_blocks_layers_in_one_call_each_are_bitwise_their_calls_o
 
 
 @pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("layers", [1, 2])
+def test_the_heads_feature_for_drafting_in_one_kernel_call_is_bitwise_the_modules(isa, layers, built, monkeypatch):
+    """Drafting in bf16 with the heads' products in the tiled form: once the Augmenting Block's cache holds keys, the
+    feature of the last of a few new positions (input Attention Decoder, the Augmenting Block's layers, final norm)
+    is one kernel call, bitwise the modules' `features` at that position, and it extends the caches with bitwise the
+    same keys and values; where it does not serve (no cache, gradients, two rows, products not tiled, positions past
+    the rotary tables) it does nothing and says so."""
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    base, heads, g = _random_bf16_heads(norms=1.0, decoder_bias=True, num_augment_layers=layers)
+    T, H = 23, base.config.hidden_size
+    hidden, embeds = (torch.randn(1, T, H, generator=g).to(torch.bfloat16) for _ in range(2))
+    positions = torch.arange(T)[None]
+    tiled = {1 << k: TILED for k in range(5)}
+
+    def run(fused: bool):
+        sizes, features = (9, 1, 3, 1, 5, 4), []
+        with torch.no_grad(), linear_forms([heads], tiled, WeightCopies(limit=10**9)):
+            _, cache = heads.features(hidden[:, :9], embeds[:, :9], positions[:, :9])
+            start = 9
+            for size in sizes[1:]:
+                part = (hidden[:, start: start + size], embeds[:, start: start + size], positions[:, start: start + size])
+                feature = heads.draft_feature(*part, cache) if fused else heads.features(*part, cache)[0][0, -1]
+                assert feature is not None and feature.shape == (H,)
+                features.append(feature)
+                start += size
+        return [torch.stack(features), *(t for layer in cache.layers for t in (layer.keys, layer.values))]
+
+    calls = []
+    real = bf16_kernel.Features.__call__
+    monkeypatch.setattr(bf16_kernel.Features, "__call__", lambda self, *a: calls.append(a[0].shape[1]) or real(self, *a))
+    got, want = run(True), run(False)
+    assert calls == [1, 3, 1, 5, 4]
+    assert got[1].shape[2] == T and len(got) == 1 + 2 * layers
+    assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, want))
+    copy.deepcopy(heads)
+    with torch.no_grad():
+        _, cache = heads.features(hidden[:, :9], embeds[:, :9], positions[:, :9])
+        part = (hidden[:, 9:12], embeds[:, 9:12], positions[:, 9:12])
+        assert heads.draft_feature(*part, cache) is None  # outside the tiled forms
+        with linear_forms([heads], tiled, WeightCopies(limit=10**9)):
+            assert heads.draft_feature(*part, None) is None
+            assert heads.draft_feature(*part[:2], part[2] + 10**4, cache) is None  # past the rotary tables
+            assert heads.draft_feature(*(t.expand(2, *t.shape[1:]) for t in part), cache) is None
+            with torch.enable_grad():
+                assert heads.draft_feature(*part, cache) is None
+        assert cache.length == 9
+
+
+@pytest.mark.parametrize("isa", BUILDS)
 def test_the_output_head_and_attention_decoder_in_one_call_each_round_as_torchs_ops(isa, built, monkeypatch):
     """Drafting in bf16 with the heads' products in the tiled form: an output head (norm(s + silu(fc([s; e])))) and the
     Attention Decoder (h + v(e) cos(q(norm(h)), k(e))) are one kernel call each, as close to float64 as torch's bf16

@@ -1269,6 +1269,57 @@ int bf16_attention_decoder(const uint16_t* h, const uint16_t* e, const uint16_t*
     return failed != 0;
 }
 
+/* What Clover's features for drafting take besides the Augmenting Block's layers: the input Attention Decoder's
+ * norm and q/k/v (tiled; biases float32 or NULL) and the Augmenting Block's final norm. */
+struct feature_args {
+    int D, heads, threads;
+    const uint16_t* in_norm;
+    float in_eps;
+    const uint16_t *q, *k, *v;
+    const float *q_bias, *k_bias, *v_bias;
+    const uint16_t* out_norm;
+    float out_eps;
+};
+
+/* The feature the heads draft from, as heads.CloverHeads.features computes it for drafting, in one call: the input
+ * Attention Decoder over T new positions (the base's hidden states h and the embeddings e of the tokens after them),
+ * the Augmenting Block's n layers over them (each position sees the `length` cached and the new ones up to itself:
+ * the additive bf16 mask `_later_keys` makes; their keys and values written after those cached) and the final norm,
+ * of the last position only, into `feature` (D); the rotary embedding's cos and sin at the positions (T) are rows of
+ * tables of `table_rows` positions (hd each). The same kernels in the same order, so the same feature; in situ the
+ * torch ops and calls around them took ~0.5 ms a drafting step (AVX2-only EPYC). Returns 2 (nothing done) where a
+ * position is not in the tables, 1 where memory ran out (then the keys and values past `length` may be written). */
+int bf16_features(const struct feature_args* a, const struct layer_args* const* layers, int n, const uint16_t* h,
+                  const uint16_t* e, int T, const int64_t* positions, const uint16_t* cos_table,
+                  const uint16_t* sin_table, long table_rows, int length, uint16_t* feature) {
+    int D = a->D, K = length + T, hd = layers[0]->hd;
+    for (int t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= table_rows)
+            return 2;
+    uint16_t* x = malloc(sizeof(uint16_t) * ((size_t)2 * T * D + (size_t)2 * T * hd + (T > 1 ? (size_t)T * K : 0)));
+    if (!x)
+        return 1;
+    uint16_t *out = x + (size_t)T * D, *cos = out + (size_t)T * D, *sin = cos + (size_t)T * hd;
+    uint16_t* mask = T > 1 ? sin + (size_t)T * hd : NULL;
+    for (int t = 0; t < T; t++) {
+        memcpy(cos + (size_t)t * hd, cos_table + (size_t)positions[t] * hd, sizeof(uint16_t) * hd);
+        memcpy(sin + (size_t)t * hd, sin_table + (size_t)positions[t] * hd, sizeof(uint16_t) * hd);
+    }
+    for (int t = 0; t < T && mask; t++) /* 0 where a key is at or before the query, bf16's lowest after it */
+        for (int j = 0; j < K; j++)
+            mask[(size_t)t * K + j] = j > length + t ? 0xFF7F : 0;
+    int failed = bf16_attention_decoder(h, e, a->in_norm, a->in_eps, a->q, a->q_bias, a->k, a->k_bias, a->v, a->v_bias,
+                                        x, T, D, a->heads, a->threads);
+    if (!failed) {
+        struct step_args st = {x, cos, sin, out, length, mask, 1, 1, T};
+        failed = bf16_layers(layers, n, &st);
+    }
+    if (!failed)
+        norm_row(out + (size_t)(T - 1) * D, a->out_norm, feature, D, a->out_eps);
+    free(x);
+    return failed != 0;
+}
+
 /* One depth of a static draft tree (tree.TreeLevel) with the weights its row count multiplies by: the regressive
  * Attention Decoder's q/k/v (tiled; biases float32 or NULL; unused at the first level) and the depth's output head. */
 struct draft_level {
