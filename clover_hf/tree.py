@@ -61,6 +61,8 @@ class TreeBuffers:
     draft_nodes: torch.Tensor  # (n_drafted,) node index of each drafted token, in drafting order
     lookup_nodes: torch.Tensor  # (n_lookup,) node indices of the lookup chain, shallowest first
     on_host: tuple[tuple[int, ...], tuple[int, ...], tuple[bool, ...]]  # depths, parents, lookup nodes (N,) each
+    chain_flags: torch.Tensor  # (N,) bool: the lookup chain's nodes
+    order: torch.Tensor  # (N,) each node's place in [root, drafted tokens, lookup chain]
 
     @property
     def num_nodes(self) -> int:
@@ -72,11 +74,7 @@ class TreeBuffers:
 
     def assemble(self, root: torch.Tensor, drafted: torch.Tensor, lookup: torch.Tensor) -> torch.Tensor:
         """Node tokens (N,): the root, the heads' drafts and the lookup chain, each at its nodes."""
-        tokens = root.new_empty(self.num_nodes)
-        tokens[0] = root
-        tokens[self.draft_nodes] = drafted
-        tokens[self.lookup_nodes] = lookup
-        return tokens
+        return torch.cat([root.view(1), drafted, lookup])[self.order]
 
 
 LOOKUP_RANK = 1 << 30  # the rank that marks lookup-chain nodes in a path; sorts after any drafted sibling
@@ -100,6 +98,7 @@ def _build_tree(drafted: tuple[tuple[int, ...], ...], device: str, lookup: int) 
     parents = [0] + [index[p[:-1]] for p in paths]
     shape = StepTree.from_lists(parents, depths, torch.device("cpu"))
     has_children = {p[:-1] for p in paths}
+    is_chain = (False,) + tuple(p[0] == LOOKUP_RANK for p in paths)
 
     levels = []
     expanded = [()]  # parents of the current level, in drafting order
@@ -145,7 +144,10 @@ def _build_tree(drafted: tuple[tuple[int, ...], ...], device: str, lookup: int) 
         ),
         draft_nodes=torch.tensor([index[p] for p in drafted], dtype=torch.long, device=device),
         lookup_nodes=torch.tensor([index[p] for p in chain], dtype=torch.long, device=device),
-        on_host=(tuple(depths), tuple(parents), (False,) + tuple(len(p) > 0 and p[0] == LOOKUP_RANK for p in paths)),
+        on_host=(tuple(depths), tuple(parents), is_chain),
+        chain_flags=torch.tensor(is_chain, device=device),
+        order=torch.tensor([0, *(1 + len(drafted) + len(p) - 1 if chain else 1 + drafted.index(p)
+                                 for p, chain in zip(paths, is_chain[1:]))], device=device),
     )
 
 

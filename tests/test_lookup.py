@@ -58,6 +58,7 @@ def test_tree_with_lookup_chain():
     assert tree.depth_ranges == ((0, 1), (1, 4), (4, 6), (6, 7))  # each depth contiguous
     assert tree.lookup_nodes.tolist() == [3, 5, 6]
     assert tree.draft_nodes.tolist() == [1, 2, 4]
+    assert tree.chain_flags.tolist() == [False, False, False, True, False, True, True] == list(tree.on_host[2])
     # the chain sees the root and its own earlier nodes only
     assert tree.ancestors[6].nonzero().flatten().tolist() == [0, 3, 5, 6]
     assert tree.ancestors[5].nonzero().flatten().tolist() == [0, 3, 5]
