@@ -118,7 +118,8 @@ _KERNEL_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # the heads' features for drafting in one kernel call: heads -> (the kernel layers and norm weights it was made for,
-# bf16_kernel.Features), kept outside the module as above
+# bf16_kernel.Features, [the block of linear forms its weights were looked up in, {row count: weights}]), kept
+# outside the module as above
 _KERNEL_FEATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # the heads' static-tree drafts in one kernel call: heads -> {id(tree): (tree, ids of the tensors it points into,
@@ -539,8 +540,8 @@ class CloverHeads(DraftHeads):
         return feature
 
     def _kernel_features(self, dtype: torch.dtype) -> tuple | None:
-        """(what it was made for, `bf16_kernel.Features`, [the block of linear forms it looked weights up in, {row
-        count: weights}]) for these heads, made again after `.to()`; None where the modules do not take that form."""
+        """These heads' entry of `_KERNEL_FEATURES`, made again after `.to()`; None where the modules do not take the
+        kernel's form."""
         decoder, norm = self.input_decoder, self.augment_norm
         if not (isinstance(decoder, AttentionDecoder) and decoder.norm.weight.dtype is dtype and norm.weight.dtype is dtype
                 and self.augment):

@@ -1286,8 +1286,8 @@ struct feature_args {
  * the Augmenting Block's n layers over them (each position sees the `length` cached and the new ones up to itself:
  * the additive bf16 mask `_later_keys` makes; their keys and values written after those cached) and the final norm,
  * of the last position only, into `feature` (D); the rotary embedding's cos and sin at the positions (T) are rows of
- * tables of `table_rows` positions (hd each). The same kernels in the same order, so the same feature; in situ the
- * torch ops and calls around them took ~0.5 ms a drafting step (AVX2-only EPYC). Returns 2 (nothing done) where a
+ * tables of `table_rows` positions (hd each). The same kernels in the same order, so the same feature, without the
+ * torch ops and calls around them (see bf16_kernel.Features). Returns 2 (nothing done) where a
  * position is not in the tables, 1 where memory ran out (then the keys and values past `length` may be written). */
 int bf16_features(const struct feature_args* a, const struct layer_args* const* layers, int n, const uint16_t* h,
                   const uint16_t* e, int T, const int64_t* positions, const uint16_t* cos_table,
