@@ -83,6 +83,16 @@ class GrowingLayer(DynamicLayer):
             return None
         return self._room(end, self._keys, self._values)
 
+    def reserve_after(self, length: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`reserve(end)` where this layer holds `length` slots, else None. Its common case (the length this layer set
+        itself, room left) in a few reads: forwards ask it of every layer, and `reserve`'s calls took ~5 us a layer
+        in situ (SmolLM2's 30 layers, AVX2-only EPYC)."""
+        stores = self.stores if self._length == length else None
+        if stores is not None and end <= stores[0].shape[-2] and (
+                not self._inference or torch.is_inference_mode_enabled()):
+            return stores
+        return self.reserve(end) if self.get_seq_length() == length else None
+
     def _room(self, end: int, key_like: torch.Tensor, value_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The stores, made anew (holding the keys and values so far) where they are not views of them, lack room
         for `end` slots or may not be written here; new ones are shaped and typed as `key_like`, `value_like`."""
@@ -213,10 +223,10 @@ def _static_layer(layer) -> bool:
 def _set_length(layer, end: int) -> None:
     """A layer's stored length after compaction: a static layer's write position moves back (in place, so
     its address stays fixed for compiled forwards), a dynamic layer's tensors are cut."""
-    if _static_layer(layer):
-        layer.cumulative_length.fill_(end)
-    elif isinstance(layer, GrowingLayer) and layer.holds_views():
+    if isinstance(layer, GrowingLayer) and layer.holds_views():  # first: the common case, and cheaper to ask
         layer.set_length(end)
+    elif _static_layer(layer):
+        layer.cumulative_length.fill_(end)
     else:
         layer.keys = layer.keys.narrow(-2, 0, end)
         layer.values = layer.values.narrow(-2, 0, end)

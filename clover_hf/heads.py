@@ -528,7 +528,7 @@ class CloverHeads(DraftHeads):
         rows, features, found = hidden.shape[1], made[1], made[2]
         weights = self._feature_weights(rows, found)
         length = cache.length
-        stores = [stored.reserve(length + rows) if stored.get_seq_length() == length else None for stored in cache.layers]
+        stores = [stored.reserve_after(length, length + rows) for stored in cache.layers]
         if weights is None or None in stores:
             return None
         layer = self.augment[0]

@@ -253,10 +253,10 @@ class _Stack:
                 self.found[1][rows] = weights
             self.key = (rows, forward)
         length = stored[0].get_seq_length()
+        end = length + tokens
         for whole, layer in zip(self.wholes, stored):
-            stores = layer.reserve(length + tokens) if (
-                isinstance(layer, GrowingLayer) and layer.get_seq_length() == length) else None
-            if stores is None or not whole.kernel.set_stores(*stores, x.shape[0], length + tokens):
+            stores = layer.reserve_after(length, end) if isinstance(layer, GrowingLayer) else None
+            if stores is None or not whole.kernel.set_stores(*stores, x.shape[0], end):
                 return None
         self.out = self.stack(x, *embeddings, length, mask)
         if self.out is not None:

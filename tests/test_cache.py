@@ -163,6 +163,33 @@ def test_a_growing_cache_made_in_inference_mode_goes_on_outside_it():
     assert _positions(cache.layers[0]) == list(range(6))
 
 
+def test_reserving_after_a_length_is_reserving_where_the_layer_holds_that_length():
+    """`reserve_after(length, end)` is `reserve(end)` where the layer holds `length` slots and None elsewhere: after
+    its own writes and `set_length` (its quick case), after its keys were read, when its stores are full, after a
+    caller replaced its keys, and with inference stores outside inference mode (copied first, as `reserve` does)."""
+    cache = new_cache()
+    layer = cache.layers[0] if cache.layers else None
+    assert layer is None or layer.reserve_after(0, 4) is None
+    with torch.inference_mode():
+        _step(cache, 0, 6)
+    layer = cache.layers[0]
+    capacity = layer.stores[0].shape[-2]
+    assert layer.reserve_after(5, 8) is None and layer.reserve_after(7, 8) is None
+    with torch.inference_mode():
+        stores = layer.stores
+        layer.set_length(6)
+        assert layer.reserve_after(6, 8) is stores
+        assert layer.keys.shape[-2] == 6 and layer.reserve_after(6, 9) is stores  # keys read: views cut
+        grown = layer.reserve_after(6, capacity + 1)  # full: a larger copy, holding what it held
+        assert grown is not stores and grown[0].shape[-2] > capacity and _positions(layer) == list(range(6))
+    with torch.no_grad():  # inference stores outside inference mode: copied, as `reserve` copies them
+        written = layer.reserve_after(6, 8)
+        assert not written[0].is_inference() and _positions(layer) == list(range(6))
+    layer.keys, layer.values = layer.keys[:, :, :4], layer.values[:, :, :4]  # a caller's own
+    assert layer.reserve_after(6, 8) is None and layer.reserve_after(4, 6)[0].shape[-2] >= 6
+    assert _positions(layer) == list(range(4))
+
+
 def test_compaction_in_the_kernel_moves_what_torch_moves(monkeypatch):
     """Where the kernel is loaded, compaction moves every layer's slots in one call: the kept slots hold what torch's
     gathers put there (a padded slot, masked out, may hold another), for rows that keep different nodes, float32 and
