@@ -173,16 +173,20 @@ def test_reserving_after_a_length_is_reserving_where_the_layer_holds_that_length
     with torch.inference_mode():
         _step(cache, 0, 6)
     layer = cache.layers[0]
-    capacity = layer.stores[0].shape[-2]
-    assert layer.reserve_after(5, 8) is None and layer.reserve_after(7, 8) is None
+    capacity, stores = layer.stores[0].shape[-2], layer.stores
+    for quick in (False, True):  # the length read from the keys, then the one set_length recorded
+        if quick:
+            layer.set_length(6)
+        with torch.inference_mode():
+            assert layer.reserve_after(5, 8) is None and layer.reserve_after(7, 8) is None
+            assert layer.reserve_after(6, 8) is stores
     with torch.inference_mode():
-        stores = layer.stores
-        layer.set_length(6)
-        assert layer.reserve_after(6, 8) is stores
         assert layer.keys.shape[-2] == 6 and layer.reserve_after(6, 9) is stores  # keys read: views cut
+        layer.set_length(6)
         grown = layer.reserve_after(6, capacity + 1)  # full: a larger copy, holding what it held
         assert grown is not stores and grown[0].shape[-2] > capacity and _positions(layer) == list(range(6))
     with torch.no_grad():  # inference stores outside inference mode: copied, as `reserve` copies them
+        layer.set_length(6)
         written = layer.reserve_after(6, 8)
         assert not written[0].is_inference() and _positions(layer) == list(range(6))
     layer.keys, layer.values = layer.keys[:, :, :4], layer.values[:, :, :4]  # a caller's own
