@@ -21,7 +21,7 @@ from . import bf16_kernel
 from .base_parts import decoder_layers, rms_final_norm
 from .cache import GrowingLayer
 from .config import CloverConfig
-from .linears import LinearForms, kernel_weights, layer_weights, linear
+from .linears import BlockMemo, LinearForms, kernel_weights, layer_weights, linear
 from .packing import document_ids
 from .quantized import dense, plain, readable
 
@@ -118,8 +118,7 @@ _KERNEL_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # the heads' features for drafting in one kernel call: heads -> (the kernel layers and norm weights it was made for,
-# bf16_kernel.Features, [the block of linear forms its weights were looked up in, {row count: weights}]), kept
-# outside the module as above
+# bf16_kernel.Features, its weights by row count: linears.BlockMemo), kept outside the module as above
 _KERNEL_FEATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # the heads' static-tree drafts in one kernel call: heads -> {id(tree): (tree, ids of the tensors it points into,
@@ -525,8 +524,8 @@ class CloverHeads(DraftHeads):
         made = self._kernel_features(hidden.dtype)
         if made is None:
             return None
-        rows, features, found = hidden.shape[1], made[1], made[2]
-        weights = self._feature_weights(rows, found)
+        rows, features = hidden.shape[1], made[1]
+        weights = made[2].get(self.input_decoder.q_proj.forward, rows, self._feature_weights)
         length = cache.length
         stores = [stored.reserve_after(length, length + rows) for stored in cache.layers]
         if weights is None or None in stores:
@@ -554,27 +553,17 @@ class CloverHeads(DraftHeads):
         if made is None or len(made[0]) != len(key) or any(a is not b for a, b in zip(made[0], key)):
             features = bf16_kernel.Features(decoder.norm.weight, decoder.norm.eps, decoder.n_heads, norm.weight,
                                             norm.eps, layers)
-            made = _KERNEL_FEATURES[self] = (key, features, [None, {}])
+            made = _KERNEL_FEATURES[self] = (key, features, BlockMemo())
         return made
 
-    def _feature_weights(self, rows: int, found: list) -> tuple[list, list] | None:
-        """The input decoder's q/k/v and each Augmenting Block layer's tiled weights for `rows` rows, looked up once per
-        row count within a block of linear forms (`found`, updated); None where any computes otherwise."""
+    def _feature_weights(self, rows: int) -> tuple[list, list] | None:
+        """The input decoder's q/k/v and each Augmenting Block layer's tiled weights for `rows` rows; None where any
+        computes otherwise."""
         decoder = self.input_decoder
-        forward = decoder.q_proj.forward  # a new block of linear forms binds new forwards
-        if found[0] is not forward:
-            found[:] = [forward, {}]
-        weights = found[1].get(rows)
-        if weights is None:
-            projections = [kernel_weights(p, rows, [p.out_features]) for p in (decoder.q_proj, decoder.k_proj,
-                                                                               decoder.v_proj)]
-            layers = [layer.kernel_weights(rows) for layer in self.augment]
-            if None in projections or None in layers:
-                return None
-            weights = (projections, layers)
-            if rows <= getattr(forward, "steady_rows", 0):
-                found[1][rows] = weights
-        return weights
+        projections = [kernel_weights(p, rows, [p.out_features]) for p in (decoder.q_proj, decoder.k_proj,
+                                                                           decoder.v_proj)]
+        layers = [layer.kernel_weights(rows) for layer in self.augment]
+        return None if None in projections or None in layers else (projections, layers)
 
     def forward(self, hidden: torch.Tensor, next_embeds: torch.Tensor,
                 position_ids: torch.Tensor | None = None) -> list[torch.Tensor]:

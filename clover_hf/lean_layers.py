@@ -50,7 +50,7 @@ from . import bf16_kernel
 from .base_parts import decoder_layers
 from .cache import GrowingLayer, new_cache
 from .heads import apply_rope
-from .linears import layer_weights
+from .linears import BlockMemo, layer_weights
 from .verification import base_forward
 
 # transformers' modeling modules whose decoder layer, attention, MLP and RMSNorm the lean forward mirrors, and
@@ -220,7 +220,7 @@ class _Stack:
         self.wholes: list[_WholeLayer | None] = []
         self.stack: bf16_kernel.DecoderStack | None = None
         self.key: tuple | None = None  # (rows, the first q projection's forward) the weights were last set for
-        self.found: tuple[Callable | None, dict[int, list]] = (None, {})  # that forward's layers' weights by rows
+        self.memo = BlockMemo()  # the layers' weights by rows
         self.out: torch.Tensor | None = None
 
     def add(self, whole: _WholeLayer | None) -> None:
@@ -232,6 +232,11 @@ class _Stack:
                 w is not None and w.layer_idx == i for i, w in enumerate(self.wholes)):
             self.stack = bf16_kernel.DecoderStack([w.kernel for w in self.wholes])
 
+    def _weights(self, rows: int) -> list | None:
+        """Each layer's tiled weights for `rows` rows, or None where any computes otherwise."""
+        weights = [whole.weights(rows) for whole in self.wholes]
+        return None if any(w is None for w in weights) else weights
+
     def __call__(self, x: torch.Tensor, mask: torch.Tensor | None, embeddings: tuple, cache) -> torch.Tensor | None:
         """The last layer's output (kept as `out`), or None (nothing done: the layers compute one by one)."""
         self.out = None
@@ -242,15 +247,9 @@ class _Stack:
         forward = self.wholes[0].projections[0].forward  # a new block of linear forms binds new forwards
         if (rows, forward) != self.key:
             self.key = None
-            if self.found[0] is not forward:
-                self.found = (forward, {})
-            # drafted steps change width every few steps: looking the 30 layers' weights up again took ~0.25 ms
-            weights = self.found[1].get(rows) or [whole.weights(rows) for whole in self.wholes]
-            if any(w is None for w in weights) or not all(
-                    whole.kernel.set_weights(w) for whole, w in zip(self.wholes, weights)):
+            weights = self.memo.get(forward, rows, self._weights)
+            if weights is None or not all(whole.kernel.set_weights(w) for whole, w in zip(self.wholes, weights)):
                 return None
-            if rows <= getattr(forward, "steady_rows", 0):
-                self.found[1][rows] = weights
             self.key = (rows, forward)
         length = stored[0].get_seq_length()
         end = length + tokens

@@ -775,6 +775,29 @@ def layer_weights(rows: int, q: nn.Linear, k: nn.Linear, v: nn.Linear, o: nn.Lin
     return None if any(w is None for w in weights) else weights
 
 
+class BlockMemo:
+    """Weights looked up by row count (`kernel_weights`, `layer_weights`) within one block of linear forms, which binds
+    new forwards: kept for the row counts whose forms hold all block (`steady_rows`), forgotten when another block
+    binds. Drafted steps change width every few steps, and looking weights up again each time took ~0.25 ms of
+    SmolLM2's 30 layers in situ (AVX2-only EPYC)."""
+
+    def __init__(self) -> None:
+        self.forward: Callable | None = None
+        self.found: dict[int, object] = {}
+
+    def get(self, forward: Callable, rows: int, look: Callable[[int], object | None]) -> object | None:
+        """What `look(rows)` gives (None: nothing to keep), looked up once within the block that bound `forward` (a
+        product's forward)."""
+        if forward is not self.forward:
+            self.forward, self.found = forward, {}
+        value = self.found.get(rows)
+        if value is None:
+            value = look(rows)
+            if value is not None and rows <= getattr(forward, "steady_rows", 0):
+                self.found[rows] = value
+        return value
+
+
 @contextlib.contextmanager
 def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: WeightCopies | None = None,
                  trials=None) -> Iterator[None]:

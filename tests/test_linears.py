@@ -618,3 +618,31 @@ def test_a_group_seen_taking_other_inputs_keeps_its_own_copies_from_then_on():
         assert all(copies.get(m, "float32_copy") is not None for m in group)
         assert torch.allclose(model(x, states), ref, atol=1e-6)
     assert copies.nbytes == copies_nbytes([model], "float32_copy")
+
+
+def test_a_block_memo_keeps_what_holds_all_block_and_forgets_it_when_another_block_binds():
+    """Weights looked up by row count are kept while the same forwards are bound, for the row counts up to their
+    `steady_rows`; past them, and for nothing found, looked up every time; another block's forwards start afresh."""
+    from clover_hf.linears import BlockMemo
+
+    def forward():
+        pass
+
+    forward.steady_rows = 4
+    looked = []
+    memo = BlockMemo()
+
+    def look(rows):
+        looked.append(rows)
+        return None if rows == 3 else [rows]
+
+    assert memo.get(forward, 2, look) == [2] and memo.get(forward, 2, look) == [2]
+    assert memo.get(forward, 3, look) is None and memo.get(forward, 3, look) is None
+    assert memo.get(forward, 8, look) == [8] and memo.get(forward, 8, look) == [8]
+    assert looked == [2, 3, 3, 8, 8]
+
+    def other():
+        pass
+
+    assert memo.get(other, 2, look) == [2] and memo.get(other, 2, look) == [2]  # no steady_rows: none kept
+    assert looked == [2, 3, 3, 8, 8, 2, 2]
