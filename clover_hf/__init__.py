@@ -53,4 +53,4 @@ __all__ = [
     "DynamicTree",
     "clover_generate",
 ]
-__version__ = "0.31.0"
+__version__ = "0.32.0"

@@ -31,7 +31,7 @@ from .form_trials import FormTrials
 from .heads import DraftHeads, DraftLMHead
 from .lean_layers import lean_layers
 from .linears import LinearForms, faster_forms, linear_forms
-from .rows import Batch, Row, pad_id, prefill, sequences, start_rows
+from .rows import Batch, Row, criteria_read_scores, pad_id, prefill, sequences, start_rows
 from .tree import DynamicTree, TreeBuffers
 from .verification import MaskLayout, accept_greedy, accept_sampled, process_tree_logits
 from .verify_forward import VerifyForward, compile_settings
@@ -205,7 +205,9 @@ def clover_generate(
         raise ValueError("Clover returns scores and streams for batch size 1 only; pass one sequence at a time")
     prepared = given_cache(model_kwargs)  # generate's or the caller's
     sample, pre_norm = bool(generation_config.do_sample), clover_heads.config.head_input == "pre_norm"
-    verify = VerifyForward(model, pre_norm, compile_settings(model, generation_config, prepared))
+    # greedy decoding that reads no logits but each node's argmax: no processors, scores kept, or criteria reading them
+    greedy = not sample and not logits_processor and not any(keep) and not criteria_read_scores(stopping_criteria)
+    verify = VerifyForward(model, pre_norm, compile_settings(model, generation_config, prepared), greedy)
     plan = _plan(model, clover_heads, input_ids.shape[0], generation_config, stopping_criteria, clover_tree,
                  clover_lookup, clover_lookup_max, clover_int8_draft, clover_budget, clover_calibrate,
                  cache_kind=f"static {verify.key}" if is_static(prepared) else None,
@@ -250,10 +252,10 @@ def clover_generate(
             width = verify.width(max(d.tokens.shape[0] for d in drafts), room)
             ids, node_pos, allowed = stack_trees(drafts, batch.active, width)
             mask = batch.attention(node_pos, allowed, model.dtype)
-            logits, hidden = verify(ids, mask, node_pos, batch.cache)
+            logits, hidden, targets = verify(ids, mask, node_pos, batch.cache)
             stats.steps += 1
             clock.lap("verify forward")
-            accepted = _accept_rows(batch.active, drafts, logits, logits_processor, sample, stats, budget)
+            accepted = _accept_rows(batch.active, drafts, logits, targets, logits_processor, sample, stats, budget)
             clock.lap("accept")
             news, kept = _emit_rows(batch.active, drafts, chains, accepted, logits, plan.lookup, plan.lookup_max)
             batch.keep(kept, node_pos)
@@ -393,22 +395,27 @@ def _fit(drafts: list[Draft], room: int | None) -> list[Draft]:
     return [d.root_only() for d in drafts]
 
 
-def _accept_rows(rows: list[Row], drafts: list[Draft], logits: torch.Tensor, logits_processor, sample: bool,
-                 stats: GenerationStats, budget: StepBudget | None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def _accept_rows(rows: list[Row], drafts: list[Draft], logits: torch.Tensor | None, targets: torch.Tensor | None,
+                 logits_processor, sample: bool, stats: GenerationStats, budget: StepBudget | None
+                 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """Each row's accepted nodes (root first), bonus token, and its tree's scores after the logits processors
-    (greedy, or lossless rejection sampling); the budget learns what was accepted."""
+    (greedy, or lossless rejection sampling; None where the forward gave each node's greedy choice, `targets`,
+    instead of logits); the budget learns what was accepted."""
     accepted = []
     for b, (row, draft) in enumerate(zip(rows, drafts)):
         tokens, tree = draft.tokens, draft.tree
         n = tokens.shape[0]
-        scores = process_tree_logits(logits[b, :n], row.emitter.input_ids, tokens, tree, logits_processor)
-        if sample:
+        host = None if draft.host is None else draft.host[1]
+        scores = None if targets is not None else process_tree_logits(
+            logits[b, :n], row.emitter.input_ids, tokens, tree, logits_processor)
+        if targets is not None:
+            nodes, bonus = accept_greedy(tokens, targets[b, :n], tree, host)
+        elif sample:
             uniforms = torch.rand(n, device=tokens.device)
             nodes, bonus = accept_sampled(tokens, scores.softmax(-1), tree, uniforms)
         else:
-            targets = bf16_kernel.argmax(scores)
-            nodes, bonus = accept_greedy(tokens, scores.argmax(-1) if targets is None else targets, tree,
-                                         None if draft.host is None else draft.host[1])
+            chosen = bf16_kernel.argmax(scores)
+            nodes, bonus = accept_greedy(tokens, scores.argmax(-1) if chosen is None else chosen, tree, host)
         stats.accepted_lengths.append(nodes.shape[0] - 1)
         stats.verified_tokens += n
         if budget is not None:
@@ -417,10 +424,11 @@ def _accept_rows(rows: list[Row], drafts: list[Draft], logits: torch.Tensor, log
     return accepted
 
 
-def _emit_rows(rows: list[Row], drafts: list[Draft], chains: list[torch.Tensor], accepted, logits: torch.Tensor,
-               lookup: int, lookup_max: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _emit_rows(rows: list[Row], drafts: list[Draft], chains: list[torch.Tensor], accepted,
+               logits: torch.Tensor | None, lookup: int, lookup_max: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Emit each row's accepted drafts and bonus token (each was scored at its parent node) until a
-    stopping criterion; returns each row's new tokens and the tree nodes its cache keeps."""
+    stopping criterion; returns each row's new tokens and the tree nodes its cache keeps. Without `logits` (a
+    step that gave greedy choices alone) the emitters, which then keep no scores, get None for them."""
     news, kept = [], []
     for b, (row, draft, chain, (nodes, bonus, scores)) in enumerate(zip(rows, drafts, chains, accepted)):
         new = torch.cat([draft.tokens.index_select(0, nodes[1:]), bonus.view(1)])
@@ -430,7 +438,8 @@ def _emit_rows(rows: list[Row], drafts: list[Draft], chains: list[torch.Tensor],
         keeps = row.emitter.scores is not None or row.emitter.raw_logits is not None
         chain_path = not keeps and nodes.device.type == "cpu" and int(nodes[-1]) == nodes.shape[0] - 1
         rows_at = (lambda t: t[: nodes.shape[0]]) if chain_path else (lambda t: t.index_select(0, nodes))
-        n, row.finished = row.emitter.emit(new, rows_at(scores), rows_at(logits[b]))
+        n, row.finished = (row.emitter.emit(new, None, None) if logits is None else
+                           row.emitter.emit(new, rows_at(scores), rows_at(logits[b])))
         row.ngrams.extend(new[:n].tolist())
         kept.append(nodes[:n])  # the cache holds every emitted token but the last
         row.next_pos = row.next_pos + n

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 
 import torch
@@ -72,6 +73,8 @@ LEAN_MODELS = {"LlamaForCausalLM": "transformers.models.llama.modeling_llama",
                "MistralForCausalLM": "transformers.models.mistral.modeling_mistral",
                "Qwen2ForCausalLM": "transformers.models.qwen2.modeling_qwen2"}
 _MODELS_CHECKED: dict[tuple, bool] = {}  # (model class, dtype) -> whether `_ModelForward` matched its own forward
+_SCREENS_CHECKED: dict[tuple, bool] = {}  # (model class, dtype) -> whether the lm_head's screen chose as its logits do
+_SCREENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lm_head -> (what it was made of, its screen)
 PACK_QUERIES, PACK_KEYS = 8, 1024  # a few query tokens attend packed (`pack`): this many at most, over this many keys
 TRIAL_TOKENS = 3  # tokens of the input a class's lean forward is checked on, once per process (`_checked`)
 
@@ -287,9 +290,10 @@ class _ModelForward:
         return inner is not None and all(hasattr(inner, name) for name in ("embed_tokens", "rotary_emb", "norm")) and (
             type(model).__module__ == type(inner).__module__ == LEAN_MODELS[type(model).__name__])
 
-    def __call__(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache, pre_norm: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(float32 logits, last hidden states: before the final norm with `pre_norm`), or None (nothing done)."""
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache, pre_norm: bool,
+                 greedy: bool = False) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None:
+        """(float32 logits, last hidden states: before the final norm with `pre_norm`, None), or None (nothing done).
+        With `greedy`, where the lm_head's screen serves (`_greedy`): (None, hidden states, each token's argmax)."""
         if self.causal_mask is None or _MODELS_CHECKED.get(self.key) is False or any(
                 part._forward_hooks or part._forward_pre_hooks for part in self.parts):
             return None
@@ -308,7 +312,12 @@ class _ModelForward:
         if self.norm is None:
             self.norm = _norm(inner.norm, fused=True)
         normed = self.norm(out)
-        logits, hidden = self.model.lm_head(normed).float(), out if pre_norm else normed
+        hidden = out if pre_norm else normed
+        if greedy and _MODELS_CHECKED.get(self.key):
+            targets = self._greedy(normed)
+            if targets is not None:
+                return None, hidden, targets
+        logits = self.model.lm_head(normed).float()
         if self.key not in _MODELS_CHECKED:
             for layer in stored:
                 layer.set_length(length)  # the model's own forward writes the same slots again
@@ -317,8 +326,44 @@ class _ModelForward:
             if not _MODELS_CHECKED[self.key]:
                 warnings.warn(f"clover-hf's lean forward of {type(self.model).__name__} does not match this "
                               "transformers version's; it runs its own forward (slower)", stacklevel=2)
-            return own_logits, own_hidden
-        return logits, hidden
+            return own_logits, own_hidden, None
+        return logits, hidden, None
+
+    def _greedy(self, normed: torch.Tensor) -> torch.Tensor | None:
+        """Each token's greedy choice (B, T) from the lm_head's screen (`bf16_kernel.Screen`), the argmax of the
+        logits the lm_head computes, where it computes these rows by the kernel's tiled product; else None. Its first
+        choices in a process are checked against the whole logits' argmax."""
+        lm_head, rows = self.model.lm_head, normed.shape[0] * normed.shape[1]
+        tiled = getattr(lm_head.forward, "kernel_weights", None)
+        if _SCREENS_CHECKED.get(self.key) is False or tiled is None or tiled(rows) is None:
+            return None
+        screen = lm_head_screen(lm_head)
+        targets = None if screen is None else screen(normed.reshape(rows, -1))
+        if targets is None:
+            return None
+        if self.key not in _SCREENS_CHECKED:
+            whole = self.model.lm_head(normed).float().reshape(rows, -1).argmax(-1)
+            _SCREENS_CHECKED[self.key] = torch.equal(whole, targets)
+            if not _SCREENS_CHECKED[self.key]:
+                warnings.warn(f"clover-hf's greedy choice from {type(self.model).__name__}'s lm_head screen differed "
+                              "from its logits' argmax; the logits are computed whole from now on (slower)",
+                              stacklevel=3)
+                return None
+        return targets.view(normed.shape[:2])
+
+
+def lm_head_screen(lm_head: nn.Module) -> bf16_kernel.Screen | None:
+    """The screen (`bf16_kernel.Screen`) of an nn.Linear lm_head's weight, made once and kept while the weight is
+    unchanged (SmolLM2's took ~0.1 s to make, AVX2-only EPYC); None where the kernel does not take it."""
+    weight, bias = getattr(lm_head, "weight", None), getattr(lm_head, "bias", None)
+    if not isinstance(lm_head, nn.Linear) or weight is None or weight.requires_grad and torch.is_grad_enabled():
+        return None
+    made = (weight, weight.data_ptr(), None if weight.is_inference() else weight._version,
+            None if bias is None else bias.data_ptr())
+    kept = _SCREENS.get(lm_head)
+    if kept is None or kept[0][0] is not weight or kept[0][1:] != made[1:]:
+        kept = _SCREENS[lm_head] = (made, bf16_kernel.Screen.of(weight.detach(), bias))
+    return kept[1]
 
 
 def model_forward(model: nn.Module) -> _ModelForward | None:

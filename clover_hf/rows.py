@@ -34,8 +34,9 @@ class Emitter:
     raw_logits: list[torch.Tensor] | None
     _known: tuple | None = field(default=None, init=False, repr=False)  # `_known_criteria`, read at the first emit
 
-    def emit(self, tokens: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor) -> tuple[int, bool]:
-        """Append tokens (n,) whose processed scores/raw logits are (n, V); return (appended, finished)."""
+    def emit(self, tokens: torch.Tensor, scores: torch.Tensor | None, logits: torch.Tensor | None) -> tuple[int, bool]:
+        """Append tokens (n,) whose processed scores/raw logits are (n, V); return (appended, finished). Both may be
+        None where this keeps neither and its criteria do not read scores (`criteria_read_scores`)."""
         stop = self._stop_within(tokens)
         if stop is None:
             stop = self._stop_called(tokens, scores)
@@ -53,7 +54,7 @@ class Emitter:
         """As `_stop_within`, by calling the criteria on the text with each of `tokens` appended in turn."""
         for i in range(tokens.shape[0]):
             text = torch.cat([self.input_ids, tokens[: i + 1].view(1, i + 1)], dim=1)
-            if bool(self.stopping_criteria(text, scores[i : i + 1]).any()):
+            if bool(self.stopping_criteria(text, None if scores is None else scores[i : i + 1]).any()):
                 return i + 1
         return 0
 
@@ -78,6 +79,12 @@ class Emitter:
     def _stream(self, tokens: torch.Tensor) -> None:
         if self.streamer is not None:
             self.streamer.put(tokens.cpu())
+
+
+def criteria_read_scores(criteria: StoppingCriteriaList) -> bool:
+    """Whether stopping `criteria` may read the scores they are called with: any but transformers' max-length and
+    end-of-sequence ones."""
+    return not _known_criteria(criteria)
 
 
 def _known_criteria(criteria: StoppingCriteriaList) -> tuple[set[int], float, int | None] | tuple[()]:

@@ -14,6 +14,7 @@ import functools
 import inspect
 import weakref
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from transformers import CompileConfig, GenerationConfig, PreTrainedModel
@@ -127,12 +128,24 @@ def _compiled(model: PreTrainedModel, config: CompileConfig, pre_norm: bool) -> 
     return per_model[(settings, pre_norm)]
 
 
-class VerifyForward:
-    """The base forward of a step's tree over the batch's cache: `(logits, hidden) = verify(ids, mask,
-    positions, cache)`, compiled when `config` is given and the cache is static."""
+class Verified(NamedTuple):
+    """What a verify forward gives: its logits (B, T, V) in float32 and last hidden states (B, T, H); asked only for
+    greedy choices, where the lm_head screens them (`lean_layers._ModelForward`), those (B, T) instead of logits."""
 
-    def __init__(self, model: PreTrainedModel, pre_norm: bool, config: CompileConfig | None = None) -> None:
-        self.model, self.pre_norm = model, pre_norm
+    logits: torch.Tensor | None
+    hidden: torch.Tensor
+    targets: torch.Tensor | None = None
+
+
+class VerifyForward:
+    """The base forward of a step's tree over the batch's cache: `(logits, hidden, targets) = verify(ids, mask,
+    positions, cache)`, compiled when `config` is given and the cache is static. `greedy`: the call reads each
+    token's greedy choice alone (no sampling, logits processors, or scores kept or read), which the lean forward
+    then gives as `targets` without the logits where it can."""
+
+    def __init__(self, model: PreTrainedModel, pre_norm: bool, config: CompileConfig | None = None,
+                 greedy: bool = False) -> None:
+        self.model, self.pre_norm, self.greedy = model, pre_norm, greedy
         self.compiled = None if config is None else _compiled(model, config, pre_norm)
         self.config = None if self.compiled is None else config
         self.settled = True  # whether the last call ran a shape past its compiling calls (its time is the step's)
@@ -155,18 +168,18 @@ class VerifyForward:
         padded = bucket(tokens)
         return padded if room is None or padded <= room else tokens
 
-    def __call__(self, ids: torch.Tensor, mask, positions: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, ids: torch.Tensor, mask, positions: torch.Tensor, cache) -> Verified:
         calls = self._calls_before((tuple(ids.shape), tuple(mask.shape))) if is_static(cache) else -1
         self.settled = calls < 0 or calls >= WARM_CALLS
         if calls < 0:
             lean = model_forward(self.model)  # within `lean_layers`, where the layers all run in one kernel call
-            out = None if lean is None else lean(ids, mask, positions, cache, self.pre_norm)
-            return out if out is not None else base_forward(self.model, ids, mask, positions, cache,
-                                                            pre_norm=self.pre_norm)
+            out = None if lean is None else lean(ids, mask, positions, cache, self.pre_norm, self.greedy)
+            return Verified(*(out if out is not None else base_forward(self.model, ids, mask, positions, cache,
+                                                                       pre_norm=self.pre_norm)))
         if self.model.device.type == "cuda" and self.config.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs were copied out
         logits, hidden = self.compiled(ids, mask, positions, cache)
-        return logits.clone(), hidden.clone()  # a CUDA graph's outputs are overwritten by its next replay
+        return Verified(logits.clone(), hidden.clone())  # a CUDA graph's outputs are overwritten by its next replay
 
     def _calls_before(self, shape: tuple) -> int:
         """How many times `shape` ran compiled before this call, which it counts; -1 where it runs eager (not

@@ -191,7 +191,9 @@ def test_clover_decodes_with_tiled_verify_forwards(monkeypatch):
     costs.forms = {1 << k: TILED for k in range(9)}
     budget = DraftBudget(costs=costs)
     ids = prompt(4)
-    out = clover.generate(ids, max_new_tokens=30, do_sample=False, budget=budget)
+    # logits kept: the lm_head's product runs each step (greedy choices alone would come from its screen)
+    out = clover.generate(ids, max_new_tokens=30, do_sample=False, budget=budget, output_logits=True,
+                          return_dict_in_generate=True).sequences
     assert out.shape == (1, ids.shape[1] + 30) and torch.equal(out[:, :ids.shape[1]], ids)
     assert clover.generation_stats.verified_per_step > 2
     assert budget.copies.nbytes > 0 and max(calls) > 2 and len(calls) > 30
@@ -980,7 +982,8 @@ def test_verify_forwards_of_a_model_whose_layers_run_in_one_call_skip_its_python
             verify = verify_forward.VerifyForward(model, pre_norm)
             three = verify(ids[:, 6:9], mask, torch.arange(6, 9).expand(batch, 3), cache)
             one = verify(ids[:, 9:], torch.ones(batch, 10, dtype=torch.long), torch.tensor([[9]]).expand(batch, 1), cache)
-        return [*three, *one, *(t for layer in cache.layers for t in (layer.keys, layer.values))]
+            assert three.targets is None and one.targets is None  # logits asked for
+        return [*three[:2], *one[:2], *(t for layer in cache.layers for t in (layer.keys, layer.values))]
 
     got = run()
     assert ran == [True, True] and list(lean._MODELS_CHECKED.values()) == [True]
@@ -1038,7 +1041,7 @@ def test_verify_forwards_of_changing_widths_look_each_widths_weights_up_once(isa
                     later = torch.ones(width, at + width, dtype=torch.bool).triu(at + 1)
                     mask = torch.zeros(1, 1, width, at + width, dtype=torch.bfloat16).masked_fill(
                         later, torch.finfo(torch.bfloat16).min)
-                outs += verify(ids[:, at : at + width], mask, torch.arange(at, at + width)[None], cache)
+                outs += verify(ids[:, at : at + width], mask, torch.arange(at, at + width)[None], cache)[:2]
                 at += width
         return outs + [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
@@ -1049,3 +1052,102 @@ def test_verify_forwards_of_changing_widths_look_each_widths_weights_up_once(isa
     want = run()
     for g, w in zip(got, want):
         assert g.shape == w.shape and torch.equal(g, w)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 9, 14])
+def test_the_lm_heads_screen_chooses_the_argmax_of_the_tiled_products_logits(isa, rows, built, monkeypatch):
+    """`Screen` gives each row's first largest logit of the tiled product (with and without a bias) without computing
+    them all: random rows over six orders of magnitude, and rows leaning to weight rows that tie exactly (the first
+    wins), differ by one last bit of one weight (logits a bf16 rounding apart) or by about what the int8 copy rounds
+    (a bound short of that rounding chose wrongly). Of SmolLM2's width and 1,024 rows, it computes a few columns a
+    row exactly."""
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    torch.manual_seed(rows)
+    for out_features, in_features in ((64, 32), (256, 96), (1024, 576)):
+        weight = (torch.randn(out_features, in_features) * 0.2).bfloat16()
+        # rows 32-63 near row 17, apart by about the int8 copy's rounding: their logits are ordered by what it rounds
+        weight[32:64] = (weight[17].float() + 0.002 * torch.randn(32, in_features)).bfloat16()
+        weight[5] = weight[17] = weight[40]  # an exact tie; then one weight of row 40 a last bit larger
+        weight[40, 3] = (weight[40, 3:4].view(torch.int16) + 1).view(torch.bfloat16)[0]
+        for bias in (None, torch.randn(out_features) * 0.1):
+            screen = bf16_kernel.Screen.of(weight, bias)
+            whole = bf16_kernel.product(bf16_kernel.tile(weight), bias)
+            for scale in (1e-3, 1.0, 1e3):
+                x = torch.randn(rows, in_features) * scale
+                x[::2] += 4 * scale * weight[17].float()  # these rows lean to rows 5, 17 and 40
+                x = x.bfloat16()
+                assert torch.equal(screen(x), whole(x).float().argmax(-1))
+                assert screen.counts.shape == (rows,) and (screen.counts >= 1).all()
+                if out_features == 1024:
+                    assert screen.counts.float().mean() < 40
+            assert screen.nbytes() == out_features * in_features + 3 * 4 * out_features
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_the_screen_declines_what_it_cannot_bound(isa, built, monkeypatch):
+    """No screen of a weight with a value not finite or of a shape the tiled product does not take; rows not finite
+    are not chosen for (None), nor are rows of another size or dtype."""
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    weight = torch.randn(64, 32).bfloat16()
+    assert bf16_kernel.Screen.of(weight[:48], None) is None
+    assert bf16_kernel.Screen.of(weight.float(), None) is None
+    broken = weight.clone()
+    broken[7, 2] = float("nan")
+    assert bf16_kernel.Screen.of(broken, None) is None
+    screen = bf16_kernel.Screen.of(weight, None)
+    x = torch.randn(3, 32).bfloat16()
+    assert torch.equal(screen(x), bf16_kernel.linear(x, bf16_kernel.tile(weight), None).float().argmax(-1))
+    x[1, 4] = float("inf")
+    assert screen(x) is None
+    assert screen(torch.randn(3, 30).bfloat16()) is None and screen(torch.randn(3, 32)) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_greedy_decoding_reads_the_lm_heads_screen_and_emits_the_same_tokens(arch, monkeypatch):
+    """bf16, every product tiled, whole trees verified: where a call reads no logits but each node's argmax, the lean
+    verify forward gives the screen's choices instead of logits, and the tokens are those of the whole logits' argmax.
+    A call that keeps scores, or whose stopping criteria may read them, computes the logits whole; so does every call
+    after a screen's first choices in a process differed from the logits' argmax."""
+    import clover_hf.lean_layers as lean
+    from clover_hf import CostModel, DraftBudget
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    from .tiny import prompt, random_heads
+
+    screened = []
+    real = bf16_kernel.Screen.__call__
+    monkeypatch.setattr(bf16_kernel.Screen, "__call__", lambda self, x: screened.append(x.shape[0]) or real(self, x))
+    base = tiny_model(arch, dtype=torch.bfloat16, head_dim=32, **({"sliding_window": None} if arch == "mistral" else {}))
+    clover, _ = random_heads(base, lookup_tokens=3)
+    clover = clover.to(torch.bfloat16)
+    costs = CostModel.from_function(lambda rows, width: 10.0, draft_ms=0.0)  # the whole tree every step
+    costs.forms = {1 << k: TILED for k in range(9)}
+
+    def run(**kwargs):
+        return clover.generate(prompt(4), max_new_tokens=24, do_sample=False, budget=DraftBudget(costs=costs), **kwargs)
+
+    got = run()
+    assert len(screened) > 5 and max(screened) > 2 and clover.generation_stats.verified_per_step > 2
+    screened.clear()
+    monkeypatch.setattr(lean._ModelForward, "_greedy", lambda self, normed: None)
+    assert torch.equal(got, run()) and not screened
+    monkeypatch.undo()
+    monkeypatch.setattr(bf16_kernel.Screen, "__call__", lambda self, x: screened.append(x.shape[0]) or real(self, x))
+
+    class Never(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    kept = run(output_scores=True, return_dict_in_generate=True)
+    assert torch.equal(kept.sequences, got) and len(kept.scores) == 24 and not screened
+    assert torch.equal(run(stopping_criteria=StoppingCriteriaList([Never()])), got) and not screened
+
+    # a screen whose first choices in a process differ from the logits' argmax is not used again, with a warning
+    monkeypatch.setattr(lean, "_SCREENS_CHECKED", {})
+    monkeypatch.setattr(bf16_kernel.Screen, "__call__", lambda self, x: screened.append(x.shape[0]) or (
+        real(self, x) + 1) % 256)
+    with pytest.warns(UserWarning, match="differed"):
+        assert torch.equal(run(), got)
+    assert len(screened) == 1 and list(lean._SCREENS_CHECKED.values()) == [False]

@@ -1,7 +1,8 @@
 /* bf16 kernels for decoding on x86 CPUs, built by clover_hf/bf16_kernel.py: transformers' RMSNorm (alone, or with
  * the residual sum before it), rotary embedding and SwiGLU activation in one call each, the attention of a few query
- * tokens, a whole decoder layer of these in one call, a product by int8 weights, greedy acceptance's argmax, the
- * heads' softmax top-k and a static tree's draft by the heads in one call,
+ * tokens, a whole decoder layer of these in one call, a product by int8 weights, greedy acceptance's argmax (also
+ * of an lm_head's logits without computing them all), the heads' softmax top-k and a static tree's draft by the heads
+ * in one call,
  * and y = x @ w.T (+ bias) for a few rows of bf16 x, each weight byte read once for
  * a block of rows, sums in float32, for one of two instruction sets:
  *   AVX-512-BF16 (-mavx512bf16): vdpbf16ps multiplies pairs of bf16 inputs, eight rows a block;
@@ -1394,4 +1395,339 @@ int bf16_draft_levels(const struct draft_args* a, const struct draft_level* leve
     }
     free(scratch), free(top), free(top_p);
     return failed != 0;
+}
+
+/* The greedy choice of an lm_head: the first largest of each row of y = x @ w.T (+ bias) as `bf16_rows` computes and
+ * rounds it, without computing all of y. An int8 copy of w (a scale per column) screens: x in int16 (a scale per
+ * row) times it gives each logit's sum before rounding within a bound (Cauchy-Schwarz over the rounding left in x and
+ * in w, plus float32's sums: `screen_row`). Rounding to bf16 keeps order, so only the columns whose upper bound rounds
+ * to at least what the row's largest lower bound rounds to can give its largest logit (or tie with it); those are
+ * computed by `tiles` from w's own rows, as every row count's product computes a column, and the first largest
+ * taken. In SmolLM2's verify forwards such columns numbered ~5 a row on average (44 at most over 4 prompts). The
+ * screen reads half the bytes of the bf16 product; on AVX2 its int16 products are as many as the bf16 product's
+ * float32 ones, so from 4 rows it gains less (on the AVX2-only EPYC, read from memory: 1.3 against 2.1 ms at one row of
+ * SmolLM2's lm_head, 2.3 against 2.5 at four). */
+#define SCREEN_SHIFT 20 /* float32's rounding of a bound (a few of its 2^-24) allowed as 2^-20 of its magnitude */
+#if defined(__AVX512BF16__)
+#define SCREEN_ROWS 8
+/* int32 sums (R x 32, `sums`) of R <= SCREEN_ROWS rows of int16 x (I apart) by one int8 tile (I/2 pairs of 32
+ * columns' two bytes), by VNNI's pair products of int16s */
+static inline __attribute__((always_inline)) void screen_block(int R, const int16_t* xq, const int8_t* wt, int pairs,
+                                                               int I, int32_t* sums) {
+    __m512i s0[SCREEN_ROWS], s1[SCREEN_ROWS];
+    for (int r = 0; r < R; r++)
+        s0[r] = s1[r] = _mm512_setzero_si512();
+    const int8_t* wp = wt;
+    for (int p = 0; p < pairs; p++, wp += 64) {
+        READ_AHEAD(wp);
+        __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)wp));
+        __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(wp + 32)));
+        for (int r = 0; r < R; r++) {
+            int32_t pair;
+            memcpy(&pair, xq + (size_t)r * I + 2 * p, 4);
+            __m512i xb = _mm512_set1_epi32(pair);
+            s0[r] = _mm512_dpwssd_epi32(s0[r], xb, w0);
+            s1[r] = _mm512_dpwssd_epi32(s1[r], xb, w1);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_si512(sums + 32 * r, s0[r]);
+        _mm512_storeu_si512(sums + 32 * r + 16, s1[r]);
+    }
+}
+#else
+#define SCREEN_ROWS 6
+#define SCREEN_CHUNK 32 /* input pairs (2 KB) of a tile that every pass over it reads while they stay in L1 */
+#ifndef SCREEN_AHEAD
+#define SCREEN_AHEAD 8192 /* bytes the screen reads ahead: it takes a line in a few cycles, so further than the products */
+#endif
+/* as above by AVX2's vpmaddwd over pairs p0..p1, a 16-column half (h) of the tile a pass, continuing the sums at
+ * sums[32 r + 16 h + j]; the first pass over a chunk reads the next one ahead */
+static inline __attribute__((always_inline)) void screen_half(int R, const int16_t* xq, const int8_t* wt, int p0, int p1,
+                                                              int I, int h, int ahead, int32_t* sums) {
+    __m256i s[SCREEN_ROWS][2];
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < 2; k++)
+            s[r][k] = _mm256_loadu_si256((const __m256i*)(sums + 32 * r + 16 * h + 8 * k));
+    const int8_t* wp = wt + (size_t)p0 * 64 + 32 * h;
+    for (int p = p0; p < p1; p++, wp += 64) {
+        if (ahead)
+            _mm_prefetch((const char*)wp + SCREEN_AHEAD, _MM_HINT_NTA);
+        __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)wp));
+        __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wp + 16)));
+        for (int r = 0; r < R; r++) {
+            int32_t pair;
+            memcpy(&pair, xq + (size_t)r * I + 2 * p, 4);
+            __m256i xb = _mm256_set1_epi32(pair);
+            s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(xb, w0));
+            s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(xb, w1));
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < 2; k++)
+            _mm256_storeu_si256((__m256i*)(sums + 32 * r + 16 * h + 8 * k), s[r][k]);
+}
+
+static inline __attribute__((always_inline)) void screen_rows(int R, const int16_t* xq, const int8_t* wt, int p0,
+                                                              int p1, int I, int h, int ahead, int32_t* sums) {
+    switch (R) {
+    case 1: screen_half(1, xq, wt, p0, p1, I, h, ahead, sums); break;
+    case 2: screen_half(2, xq, wt, p0, p1, I, h, ahead, sums); break;
+    case 3: screen_half(3, xq, wt, p0, p1, I, h, ahead, sums); break;
+    case 4: screen_half(4, xq, wt, p0, p1, I, h, ahead, sums); break;
+    case 5: screen_half(5, xq, wt, p0, p1, I, h, ahead, sums); break;
+    default: screen_half(6, xq, wt, p0, p1, I, h, ahead, sums);
+    }
+}
+
+/* sums (R x 32) of all R rows by tile wt: a chunk of its pairs at a time, read by a pass per half and block of rows
+ * while it stays in L1 (a pass per half over the whole tile read it from memory twice) */
+static void screen_tile(const int16_t* xq, const int8_t* wt, int pairs, int I, int R, int32_t* sums) {
+    memset(sums, 0, sizeof(int32_t) * 32 * (size_t)R);
+    for (int p0 = 0; p0 < pairs; p0 += SCREEN_CHUNK) {
+        int p1 = p0 + SCREEN_CHUNK < pairs ? p0 + SCREEN_CHUNK : pairs;
+        for (int h = 0; h < 2; h++)
+            for (int r0 = 0; r0 < R; r0 += SCREEN_ROWS)
+                screen_rows(R - r0 < SCREEN_ROWS ? R - r0 : SCREEN_ROWS, xq + (size_t)r0 * I, wt, p0, p1, I, h,
+                            h == 0 && r0 == 0, sums + 32 * (size_t)r0);
+    }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* sums (R x 32) of all R rows by tile wt, SCREEN_ROWS rows a pass over it, each pass's row count a constant */
+static void screen_tile(const int16_t* xq, const int8_t* wt, int pairs, int I, int R, int32_t* sums) {
+    for (int r0 = 0; r0 < R; r0 += SCREEN_ROWS) {
+        const int16_t* x = xq + (size_t)r0 * I;
+        int32_t* s = sums + 32 * (size_t)r0;
+        switch (R - r0 < SCREEN_ROWS ? R - r0 : SCREEN_ROWS) {
+        case 1: screen_block(1, x, wt, pairs, I, s); break;
+        case 2: screen_block(2, x, wt, pairs, I, s); break;
+        case 3: screen_block(3, x, wt, pairs, I, s); break;
+        case 4: screen_block(4, x, wt, pairs, I, s); break;
+        case 5: screen_block(5, x, wt, pairs, I, s); break;
+        case 6: screen_block(6, x, wt, pairs, I, s); break;
+        case 7: screen_block(7, x, wt, pairs, I, s); break;
+        default: screen_block(8, x, wt, pairs, I, s);
+        }
+    }
+}
+#endif
+
+/* Row r of x quantized: xq = round(x / step), |xq| <= most (so no int32 sum overflows), and the coefficients of its
+ * bound: every column c's exact sum x . w_c lies within coef[0] * resid[c] + coef[1] * norms[c] of
+ * step * scale_c * (xq . q_c), where resid[c] >= |w_c - scale_c q_c| and norms[c] >= |w_c| (Euclidean norms): with
+ * d = x - step xq, x . w - (step xq) . (scale q) = x . (w - scale q) + d . (scale q), and |scale q| <= |w| + resid.
+ * coef[1] also holds float32's error in summing I products in order, at most I 2^-24 / (1 - I 2^-24) |x| |w|.
+ * Returns 0 where x is not finite. */
+static int screen_row(const uint16_t* x, int I, int most, int16_t* xq, float* step, float* coef) {
+    float top = 0.0f;
+    for (int i = 0; i < I; i++) {
+        float v = fabsf(bf16_to_float(x[i]));
+        if (!(v <= INFINITY) || v == INFINITY)
+            return 0;
+        top = v > top ? v : top;
+    }
+    float s = top / (float)most;
+    double xx = 0.0, dd = 0.0;
+    for (int i = 0; i < I; i++) {
+        float v = bf16_to_float(x[i]);
+        long q = s > 0.0f ? lrintf(v / s) : 0;
+        q = q > most ? most : q < -most ? -most : q;
+        xq[i] = (int16_t)q;
+        double d = (double)v - (double)s * (double)q;
+        xx += (double)v * v;
+        dd += d * d;
+    }
+    double eps = ldexp((double)I, -24), gamma = eps / (1.0 - eps), xn = sqrt(xx), dn = sqrt(dd);
+    *step = s;
+    coef[0] = (float)((xn + dn) * (1.0 + 1e-5));
+    coef[1] = (float)((dn + gamma * xn) * (1.0 + 1e-5));
+    return 1;
+}
+
+/* out[r]: the argmax of row r of y (R x O) = x @ w.T (+ bias), x bf16 (R x I), w bf16 (O x I, rows one after
+ * another), as `bf16_rows` computes y from w tiled: its first largest. wq: w as int8 in tiles (O/32, I/2, 32, 2),
+ * column c being round(w_c / scales[c]); resid and norms as `screen_row` takes them; bias float32 or NULL. counts
+ * (NULL or R ints): how many columns each row computed exactly. Returns 1 where memory ran out, 2 where x is not
+ * finite (nothing chosen). */
+int bf16_screen_argmax(const uint16_t* x, int R, const int8_t* wq, const float* scales, const float* resid,
+                       const float* norms, const float* bias, const uint16_t* w, int I, int O, int64_t* out,
+                       int32_t* counts, int threads) {
+    int pairs = I / 2, blocks = O / 32, most = (int)(2147483647.0 / (127.0 * I));
+    most = most > 16383 ? 16383 : most;
+    threads = threads > 0 ? threads : 1;
+    int16_t* xq = malloc(sizeof(int16_t) * (size_t)R * I);
+    float* per_row = malloc(sizeof(float) * (size_t)R * (3 + threads));
+    float* hi = malloc(sizeof(float) * (size_t)R * O);
+    uint8_t* pick = calloc((size_t)O, 1);
+    if (!xq || !per_row || !hi || !pick) {
+        free(xq), free(per_row), free(hi), free(pick);
+        return 1;
+    }
+    float *step = per_row, *coef = step + R, *lows = coef + 2 * (size_t)R;  /* lows: each thread's largest lower bounds */
+    int status = most < 1 ? 2 : 0;
+    for (int r = 0; r < R && !status; r++)
+        if (!screen_row(x + (size_t)r * I, I, most, xq + (size_t)r * I, step + r, coef + 2 * r))
+            status = 2;
+    for (int i = 0; i < R * threads; i++)
+        lows[i] = -INFINITY;
+    if (counts)
+        memset(counts, 0, sizeof(int32_t) * (size_t)R);
+    #pragma omp parallel num_threads(threads) if (!status && threads > 1 && blocks > 1)
+    {
+        int b0, b1, me = omp_get_thread_num();
+        thread_range(blocks, &b0, &b1);
+        int32_t* sums = malloc(sizeof(int32_t) * 32 * (size_t)R);
+        float* low = lows + (size_t)me * R;
+        if (!sums) {
+            #pragma omp atomic write
+            status = 1;
+        }
+        for (int t = b0; t < b1 && sums && !status; t++) {
+            screen_tile(xq, wq + (size_t)t * pairs * 64, pairs, I, R, sums);
+            for (int r = 0; r < R; r++) {
+                float* h = hi + (size_t)r * O + 32 * t;
+                __m256 st = _mm256_set1_ps(step[r]), ca = _mm256_set1_ps(coef[2 * r]), cb = _mm256_set1_ps(coef[2 * r + 1]);
+                __m256 sign = _mm256_set1_ps(-0.0f), shift = _mm256_set1_ps(1.0f / (1 << SCREEN_SHIFT)), lo8 = _mm256_set1_ps(-INFINITY);
+                for (int j = 0; j < 32; j += 8) {
+                    int c = 32 * t + j;
+                    __m256 b = bias ? _mm256_loadu_ps(bias + c) : _mm256_setzero_ps();
+                    __m256 a = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(sums + 32 * r + j))), st),
+                                             _mm256_loadu_ps(scales + c));
+                    a = _mm256_add_ps(a, b);
+                    /* the bound, 1e-4 over for its own float32 rounding, plus that of a (within 1e-6 of |a| + |b|) */
+                    __m256 e = _mm256_add_ps(_mm256_mul_ps(ca, _mm256_loadu_ps(resid + c)),
+                                             _mm256_mul_ps(cb, _mm256_loadu_ps(norms + c)));
+                    __m256 mag = _mm256_add_ps(_mm256_andnot_ps(sign, a), _mm256_andnot_ps(sign, b));
+                    e = _mm256_add_ps(_mm256_mul_ps(e, _mm256_set1_ps(1.0001f)),
+                                      _mm256_add_ps(_mm256_mul_ps(mag, _mm256_set1_ps(1e-6f)), _mm256_set1_ps(1e-30f)));
+                    __m256 lo = _mm256_sub_ps(a, e), up = _mm256_add_ps(a, e);
+                    lo = _mm256_sub_ps(lo, _mm256_mul_ps(_mm256_andnot_ps(sign, lo), shift));
+                    up = _mm256_add_ps(up, _mm256_mul_ps(_mm256_andnot_ps(sign, up), shift));
+                    lo8 = _mm256_max_ps(lo8, lo);
+                    _mm256_storeu_ps(h + j, bf16x8_widen(bf16x8(up)));  /* no logit under it rounds above this */
+                }
+                float l[8];
+                _mm256_storeu_ps(l, lo8);
+                for (int j = 0; j < 8; j++)
+                    low[r] = l[j] > low[r] ? l[j] : low[r];
+            }
+        }
+        #pragma omp barrier
+        for (int r = 0; r < R && sums && !status; r++) {
+            float m = -INFINITY;
+            for (int i = 0; i < omp_get_num_threads(); i++)
+                m = lows[(size_t)i * R + r] > m ? lows[(size_t)i * R + r] : m;
+            m = bf16_to_float(float_to_bf16(m));  /* the largest logit rounds to this or above */
+            int n = 0;
+            for (int c = 32 * b0; c < 32 * b1; c++)
+                if (hi[(size_t)r * O + c] >= m) {
+                    pick[c] = 1;
+                    n++;
+                }
+            if (counts) {
+                #pragma omp atomic
+                counts[r] += n;
+            }
+        }
+        free(sums);
+    }
+    free(hi);
+    int chosen = 0;
+    for (int c = 0; c < O && !status; c++)
+        chosen += pick[c];
+    /* the columns any row may take, from w's rows into tiles of their own, computed for all R rows as the product of
+     * R rows computes them, each column alike wherever it lies in a tile */
+    int nt = (chosen + 31) / 32;
+    int* cols = status ? NULL : malloc(sizeof(int) * (size_t)(chosen ? chosen : 1));
+    uint16_t* mini = status ? NULL : calloc((size_t)(nt ? nt : 1) * pairs * 64, sizeof(uint16_t));
+    float* mini_bias = status || !bias ? NULL : calloc((size_t)(nt ? nt : 1) * 32, sizeof(float));
+    uint16_t* y = status ? NULL : malloc(sizeof(uint16_t) * (size_t)R * (nt ? nt : 1) * 32);
+#if defined(__AVX512BF16__)
+    const xtype* xs = x;
+    int x_ok = 1;
+#else
+    float* xs = status ? NULL : malloc(sizeof(float) * (size_t)R * I);
+    int x_ok = xs != NULL;
+#endif
+    if (!status && (!cols || !mini || (bias && !mini_bias) || !y || !x_ok))
+        status = 1;
+    if (!status) {
+#if !defined(__AVX512BF16__)
+        for (size_t i = 0; i < (size_t)R * I; i++)
+            xs[i] = bf16_to_float(x[i]);
+#endif
+        for (int c = 0, k = 0; c < O; c++) {
+            if (!pick[c])
+                continue;
+            uint32_t* into = (uint32_t*)(mini + (size_t)(k / 32) * pairs * 64) + k % 32;
+            const uint32_t* row = (const uint32_t*)(w + (size_t)c * I);  /* I even: a row's pairs are whole */
+            for (int p = 0; p < pairs; p++)
+                into[(size_t)p * 32] = row[p];
+            if (bias)
+                mini_bias[k] = bias[c];
+            cols[k++] = c;
+        }
+        status = tiles(xs, mini, mini_bias, y, R, I, 32 * nt, 0, nt);
+    }
+    for (int r = 0; r < R && !status; r++) {
+        int64_t best = -1;
+        float top = -INFINITY;
+        for (int k = 0; k < chosen; k++) {
+            float v = bf16_to_float(y[(size_t)r * 32 * nt + k]);
+            if (best < 0 || v > top) {
+                top = v;
+                best = cols[k];
+            }
+        }
+        out[r] = best;
+    }
+#if !defined(__AVX512BF16__)
+    free(xs);
+#endif
+    free(xq), free(per_row), free(pick), free(cols), free(mini), free(mini_bias), free(y);
+    return status;
+}
+
+static float float_up(double v) {
+    float f = (float)v;
+    return (double)f < v ? nextafterf(f, INFINITY) : f;
+}
+
+/* What `bf16_screen_argmax` reads beside w (O x I bf16): w in int8 tiles (O/32, I/2, 32, 2), column c being
+ * round(w_c / scales[c]) with scales[c] = max |w_c| / 127 in float32, and the Euclidean norms of w_c - scales[c] q_c
+ * (resid) and of w_c (norms), rounded up. Returns 0 where a weight is not finite (then nothing is usable). */
+int screen_prepare(const uint16_t* w, int I, int O, int8_t* wq, float* scales, float* resid, float* norms, int threads) {
+    int pairs = I / 2, finite = 1;
+    #pragma omp parallel for num_threads(threads) if (threads > 1) schedule(static)
+    for (int c = 0; c < O; c++) {
+        const uint16_t* row = w + (size_t)c * I;
+        float top = 0.0f;
+        for (int i = 0; i < I; i++) {
+            float v = fabsf(bf16_to_float(row[i]));
+            if (!(v < INFINITY)) {
+                #pragma omp atomic write
+                finite = 0;
+            }
+            top = v > top ? v : top;
+        }
+        float s = top / 127.0f;
+        s = s < 1.17549435e-38f ? 1.17549435e-38f : s;
+        double rr = 0.0, ww = 0.0;
+        int8_t* tile = wq + (size_t)(c / 32) * pairs * 64 + 2 * (c % 32);
+        for (int i = 0; i < I; i++) {
+            double v = bf16_to_float(row[i]);
+            double q = nearbyint(v / s);
+            q = q > 127.0 ? 127.0 : q < -127.0 ? -127.0 : q;
+            tile[(size_t)(i / 2) * 64 + i % 2] = (int8_t)q;
+            double r = v - (double)s * q;
+            rr += r * r;
+            ww += v * v;
+        }
+        scales[c] = s;
+        resid[c] = float_up(sqrt(rr));
+        norms[c] = float_up(sqrt(ww));
+    }
+    return finite;
 }
