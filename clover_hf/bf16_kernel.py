@@ -160,7 +160,7 @@ class DraftArgs(ctypes.Structure):
 
     _fields_ = [*((name, ctypes.c_int) for name in ("D", "heads", "rows", "threads")), ("reg_norm", ctypes.c_void_p),
                 ("reg_eps", ctypes.c_float),
-                *((name, ctypes.c_void_p) for name in ("lm_w", "lm_scales", "lm_bias", "lm_sums", "token_ids",
+                *((name, ctypes.c_void_p) for name in ("lm_w", "lm_scales", "lm_bias", "token_ids",
                                                        "embedding"))]
 
 
@@ -183,7 +183,7 @@ def load(isa: str, cache_dir: Path | None = None) -> ctypes.CDLL:
     lib.move_slots.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_long, ctypes.c_void_p,
                                                                              ctypes.c_int, ctypes.c_long]
     lib.move_slots.restype = None
-    lib.i8_rows.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 4
+    lib.i8_rows.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
     lib.i8_rows.restype = ctypes.c_int
     lib.argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     lib.argmax_rows.restype = None
@@ -376,21 +376,21 @@ def product(tiled: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.T
 def int8_product(rows: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
                  ) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """x @ (rows * scales[:, None]).T (+ bias) as a function of bf16 x (..., I), for int8 `rows` (O x I) with a scale
-    a row, or None where no kernel is loaded or the shape is not one it takes (O a multiple of TILE, I of 4). Each row
-    of x is split in two int8 parts (about 16 bits, see `kernels/bf16_cpu.c`) for byte products: outputs within bf16
-    rounding of torch's `_weight_int8pack_mm`, which widens each weight, and the same from either build.
-    The draft vocabulary's 8192 rows of SmolLM2 (4.7 MB) took 28 / 55 us at one / three rows against 90 / 111 there,
-    warm in cache (AVX-512-bf16 EPYC, VNNI); 347 / 448 against 705 / 929 read from memory (AVX2-only EPYC)."""
+    a row, or None where no kernel is loaded or the shape is not one it takes (O a multiple of TILE, I even). Each row
+    of x goes in as int16s (~14 bits, see `kernels/bf16_cpu.c`) for exact int32 sums of pair products: outputs within
+    bf16 rounding of torch's `_weight_int8pack_mm`, which widens each weight, and the same from either build. On the
+    AVX2-only EPYC the draft vocabulary's 8192 rows of SmolLM2 (4.7 MB) took 73 / 179 us at one / three rows in cache
+    and 151 / 166 read from memory, against 104 / 271 and 150 / 376 with x split in two int8 parts for two passes of
+    byte products, as before (torch's int8 kernel: 705 / 929 from memory)."""
     out_features, in_features = rows.shape
-    if not (available() and out_features % TILE == 0 and in_features % 4 == 0
+    if not (available() and out_features % TILE == 0 and in_features % 2 == 0
             and rows.dtype == torch.int8 and rows.is_cpu):
         return None
-    tiled = rows.detach().reshape(out_features // TILE, TILE, in_features // 4, 4).transpose(1, 2).contiguous()
+    tiled = rows.detach().reshape(out_features // TILE, TILE, in_features // 2, 2).transpose(1, 2).contiguous()
     scales = scales.detach().float().contiguous()
-    sums = rows.detach().sum(dim=1, dtype=torch.int32).contiguous()
     bias = None if bias is None else bias.detach().float().contiguous()
     run, empty, bf16, threads = _library.i8_rows, torch.empty, torch.bfloat16, torch.get_num_threads()
-    pointers = (tiled.data_ptr(), scales.data_ptr(), sums.data_ptr(), 0 if bias is None else bias.data_ptr())
+    pointers = (tiled.data_ptr(), scales.data_ptr(), 0 if bias is None else bias.data_ptr())
 
     def compute(x: torch.Tensor) -> torch.Tensor:
         if x.dtype is not bf16 or not x.is_cpu or x.shape[-1] != in_features:
@@ -404,7 +404,7 @@ def int8_product(rows: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | 
             raise MemoryError(f"bf16_kernel: no memory to quantize {n} rows")
         return out
 
-    compute.keep = (tiled, scales, sums, bias)  # the memory the pointers above point into
+    compute.keep = (tiled, scales, bias)  # the memory the pointers above point into
     return compute
 
 
@@ -841,7 +841,7 @@ class StaticDraft:
     `levels`: the tree's levels (`tree.TreeLevel`: index tensors on the CPU); `weights`: per level, its output head's
     (tiled fc weight, float32 bias or None, norm weight, eps) and the regressive decoder's q, k, v as (tiled weight,
     float32 bias or None) for the level's row count (none at the first level); `regressive_norm`: (weight, eps);
-    `lm_rows`: `int8_product`'s (tiled rows, scales, sums, bias); `token_ids`: the vocabulary token of each draft row
+    `lm_rows`: `int8_product`'s (tiled rows, scales, bias); `token_ids`: the vocabulary token of each draft row
     (None: its own index); `embedding`: the (vocabulary, D) table that embeds tokens."""
 
     def __init__(self, levels, weights: list[tuple[tuple, list[tuple[torch.Tensor, torch.Tensor | None]]]],
@@ -854,7 +854,7 @@ class StaticDraft:
         self.keep = (indices, weights, regressive_norm, lm_rows, token_ids, embedding)  # what the pointers point into
         a.D, a.heads, a.rows, a.threads = dim, heads, lm_rows[0].shape[0] * TILE, torch.get_num_threads()
         a.reg_norm, a.reg_eps = regressive_norm[0].data_ptr(), regressive_norm[1]
-        a.lm_w, a.lm_scales, a.lm_sums, a.lm_bias = (_pointer(t) for t in lm_rows)
+        a.lm_w, a.lm_scales, a.lm_bias = (_pointer(t) for t in lm_rows)
         a.token_ids, a.embedding = _pointer(token_ids), embedding.data_ptr()
         self.args, self.levels = a, (DraftLevel * len(levels))()
         self.drafted = 0

@@ -582,10 +582,10 @@ def _dequantized(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_int8_product_is_the_dequantized_product_to_bf16_rounding(isa, rows, with_bias, built, monkeypatch):
-    """int8 rows with a scale each, times bf16 rows split in two int8 parts (about 16 bits): within a bf16 step of the
-    exact product plus the split's error (half of x's largest magnitude / 127 / 254 an input), at row counts below,
-    at and past a pass's four (VNNI's), with a bias and inputs of more than two dimensions; where the CPU runs both
-    builds, the same outputs from each (the same int32 sums)."""
+    """int8 rows with a scale each, times bf16 rows as int16s (x's largest magnitude in 16383 steps): within a bf16 step
+    of the exact product plus the rounding of x (half a step an input), at row counts below, at and past a pass's (6
+    rows with AVX2, 8 with AVX-512), with a bias and inputs of more than two dimensions; where the CPU runs both
+    builds, the same outputs from each (the same int32 sums); a row not finite gives NaNs."""
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     torch.manual_seed(rows)
     from clover_hf.heads import DraftLMHead
@@ -598,11 +598,14 @@ def test_the_int8_product_is_the_dequantized_product_to_bf16_rounding(isa, rows,
     out = product(x)
     w = _dequantized(quantized.weight, quantized.scales)
     exact = x.double() @ w.T + (0 if bias is None else bias.double())
-    split = (x.double().abs().amax(-1, keepdim=True) / 127 / 254 / 2) @ w.abs().sum(1, keepdim=True).T
+    split = (x.double().abs().amax(-1, keepdim=True) / 16383 / 2) @ w.abs().sum(1, keepdim=True).T
     assert out.dtype == torch.bfloat16 and out.shape == (2, rows, 96)
     assert ((out.double() - exact).abs() <= exact.abs() * 2.0**-8 + 1.01 * split + 1e-6).all()
     assert torch.equal(product(torch.zeros(rows, 64, dtype=torch.bfloat16)),  # no magnitude: the bias alone
                        torch.zeros(rows, 96) if bias is None else bias.float().expand(rows, 96).bfloat16())
+    broken = x.clone()
+    broken[0, 0, 5] = float("inf")
+    assert product(broken)[0, 0].isnan().all() and torch.equal(product(broken)[1:], out[1:])
     for other in RUNS:
         monkeypatch.setattr(bf16_kernel, "_library", built(other))
         assert torch.equal(bf16_kernel.int8_product(quantized.weight, quantized.scales, bias)(x), out)
@@ -613,7 +616,7 @@ def test_the_int8_product_is_the_dequantized_product_to_bf16_rounding(isa, rows,
 
 
 def test_the_int8_product_is_left_out_where_the_shape_is_not_one_it_takes(built, monkeypatch):
-    """The int8 product takes only a multiple of 32 rows of a multiple of 4 inputs: None for others, so that torch's
+    """The int8 product takes only a multiple of 32 rows of an even number of inputs: None for others, so that torch's
     int8 kernel computes (and where no kernel is loaded)."""
     if not RUNS:
         pytest.skip("no build runs on this CPU")
@@ -625,7 +628,8 @@ def test_the_int8_product_is_left_out_where_the_shape_is_not_one_it_takes(built,
         monkeypatch.setattr(bf16_kernel, "_library", built(isa))
         assert bf16_kernel.int8_product(rows, scales, None) is not None
         assert bf16_kernel.int8_product(rows[:48], scales[:48], None) is None
-        assert bf16_kernel.int8_product(rows[:, :14], scales, None) is None
+        assert bf16_kernel.int8_product(rows[:, :15], scales, None) is None
+        assert bf16_kernel.int8_product(rows[:, :14], scales, None) is not None
         assert bf16_kernel.int8_product(rows.float(), scales, None) is None
 
 

@@ -607,61 +607,6 @@ static void attend_rows(const uint16_t* const* q_at, const void* const* mask_at,
 #define SCRATCH(K, D) ((size_t)ATT_ROWS * 16 * (((K) + 15) / 16))
 #define lay_out_keys transpose_keys
 
-/* VNNI's vpdpbusd adds four products of unsigned by signed bytes: both parts of x are shifted by 128 and 128 * (the
- * column's weight sum, `w_sums`) taken off, which leaves the same int32 sums as the AVX2 build's */
-#define I8_BLOCK 4 /* rows of x a pass over a tile reads the weights once for */
-
-static void i8_tiles(const int8_t* xq, const float* xs, const int8_t* wq, const float* w_scales,
-                     const int32_t* w_sums, const float* bias, uint16_t* y, int R, int I, int O, int t0, int t1) {
-    int quads = I / 4;
-    for (int t = t0; t < t1; t++) {
-        const int8_t* wt = wq + (size_t)t * quads * 128;
-        int o = 32 * t;
-        __m512i sum0 = _mm512_slli_epi32(_mm512_loadu_si512(w_sums + o), 7);
-        __m512i sum1 = _mm512_slli_epi32(_mm512_loadu_si512(w_sums + o + 16), 7);
-        __m512 sc0 = _mm512_loadu_ps(w_scales + o), sc1 = _mm512_loadu_ps(w_scales + o + 16);
-        __m512 b0 = bias ? _mm512_loadu_ps(bias + o) : _mm512_setzero_ps();
-        __m512 b1 = bias ? _mm512_loadu_ps(bias + o + 16) : _mm512_setzero_ps();
-        __m512 fine = _mm512_set1_ps(1.0f / 254.0f);
-        for (int r0 = 0; r0 < R; r0 += I8_BLOCK) {
-            int n = R - r0 < I8_BLOCK ? R - r0 : I8_BLOCK;
-            __m512i h0[I8_BLOCK], h1[I8_BLOCK], l0[I8_BLOCK], l1[I8_BLOCK];
-            for (int r = 0; r < I8_BLOCK; r++) {
-                h0[r] = _mm512_setzero_si512(); h1[r] = _mm512_setzero_si512();
-                l0[r] = _mm512_setzero_si512(); l1[r] = _mm512_setzero_si512();
-            }
-            const int8_t* wp = wt;
-            for (int g = 0; g < quads; g++, wp += 128) {
-                READ_AHEAD(wp);
-                READ_AHEAD(wp + 64);
-                __m512i w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + 64);
-                for (int r = 0; r < n; r++) {
-                    int32_t hi, lo;
-                    memcpy(&hi, xq + (size_t)(r0 + r) * 2 * I + 4 * g, 4);
-                    memcpy(&lo, xq + (size_t)(r0 + r) * 2 * I + I + 4 * g, 4);
-                    __m512i xh = _mm512_set1_epi32(hi ^ (int32_t)0x80808080), xl = _mm512_set1_epi32(lo ^ (int32_t)0x80808080);
-                    h0[r] = _mm512_dpbusd_epi32(h0[r], xh, w0);
-                    h1[r] = _mm512_dpbusd_epi32(h1[r], xh, w1);
-                    l0[r] = _mm512_dpbusd_epi32(l0[r], xl, w0);
-                    l1[r] = _mm512_dpbusd_epi32(l1[r], xl, w1);
-                }
-            }
-            for (int r = 0; r < n; r++) {
-                __m512 s = _mm512_set1_ps(xs[r0 + r]);
-                __m512 v0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(l0[r], sum0)), fine,
-                                            _mm512_cvtepi32_ps(_mm512_sub_epi32(h0[r], sum0)));
-                __m512 v1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(l1[r], sum1)), fine,
-                                            _mm512_cvtepi32_ps(_mm512_sub_epi32(h1[r], sum1)));
-                v0 = _mm512_fmadd_ps(v0, _mm512_mul_ps(sc0, s), b0);
-                v1 = _mm512_fmadd_ps(v1, _mm512_mul_ps(sc1, s), b1);
-                uint16_t* yr = y + (size_t)(r0 + r) * O + o;
-                _mm256_storeu_si256((__m256i*)yr, (__m256i)_mm512_cvtneps_pbh(v0));
-                _mm256_storeu_si256((__m256i*)(yr + 16), (__m256i)_mm512_cvtneps_pbh(v1));
-            }
-        }
-    }
-}
-
 #else
 #define ATT_ROWS 16 /* query rows (of one key/value head) one pass attends: a group's all, up to 16 */
 #define VALUES_AT_ONCE 128 /* keys whose values stay in L1 while each block of 4 rows weighs them */
@@ -804,53 +749,6 @@ static void attend_rows(const uint16_t* const* q_at, const void* const* mask_at,
 #define KEY_LAYOUT(K, D) ((size_t)0)  /* the keys are read as they lie */
 static void lay_out_keys(const uint16_t* k, uint32_t* kt, int K, int D) { (void)k; (void)kt; (void)K; (void)D; }
 
-/* AVX2 has no byte products of four: vpmaddubsw multiplies unsigned by signed bytes in pairs into int16, so each x
- * part goes in as its magnitude and its sign moves onto the weight (|x| w sign(x): at most 2 * 127 * 127, short of
- * int16's limit), and vpmaddwd adds the pairs into int32: the same sums as VNNI's. One row a pass over a tile (eight
- * sums of 8 columns fill half the registers); a tile of SmolLM2's (18 KB) stays in L1 for the rows after the first. */
-static void i8_tiles(const int8_t* xq, const float* xs, const int8_t* wq, const float* w_scales,
-                     const int32_t* w_sums, const float* bias, uint16_t* y, int R, int I, int O, int t0, int t1) {
-    (void)w_sums;
-    int quads = I / 4;
-    const __m256i ones = _mm256_set1_epi16(1);
-    const __m256 fine = _mm256_set1_ps(1.0f / 254.0f);
-    for (int t = t0; t < t1; t++) {
-        const int8_t* wt = wq + (size_t)t * quads * 128;
-        int o = 32 * t;
-        for (int r = 0; r < R; r++) {
-            __m256i h[4], l[4];
-            for (int c = 0; c < 4; c++) {
-                h[c] = _mm256_setzero_si256();
-                l[c] = _mm256_setzero_si256();
-            }
-            const int8_t *xh = xq + (size_t)r * 2 * I, *xl = xh + I, *wp = wt;
-            for (int g = 0; g < quads; g++, wp += 128) {
-                if (r == 0) {
-                    READ_AHEAD(wp);
-                    READ_AHEAD(wp + 64);
-                }
-                int32_t hi, lo;
-                memcpy(&hi, xh + 4 * g, 4);
-                memcpy(&lo, xl + 4 * g, 4);
-                __m256i bh = _mm256_set1_epi32(hi), bl = _mm256_set1_epi32(lo);
-                __m256i ah = _mm256_abs_epi8(bh), al = _mm256_abs_epi8(bl);
-                for (int c = 0; c < 4; c++) {
-                    __m256i w = _mm256_loadu_si256((const __m256i*)(wp + 32 * c));
-                    h[c] = _mm256_add_epi32(h[c], _mm256_madd_epi16(_mm256_maddubs_epi16(ah, _mm256_sign_epi8(w, bh)), ones));
-                    l[c] = _mm256_add_epi32(l[c], _mm256_madd_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(w, bl)), ones));
-                }
-            }
-            __m256 s = _mm256_set1_ps(xs[r]);
-            for (int c = 0; c < 4; c++) {
-                int at = o + 8 * c;
-                __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(l[c]), fine, _mm256_cvtepi32_ps(h[c]));
-                v = _mm256_fmadd_ps(v, _mm256_mul_ps(_mm256_loadu_ps(w_scales + at), s),
-                                    bias ? _mm256_loadu_ps(bias + at) : _mm256_setzero_ps());
-                _mm_storeu_si128((__m128i*)(y + (size_t)r * O + at), bf16x8(v));
-            }
-        }
-    }
-}
 #endif
 
 /* out (B, T, H, D) = softmax(scale * q k^T + mask) v for queries q (B, H, T, D) and keys and values k, v
@@ -976,48 +874,9 @@ int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, long
     return failed;
 }
 
-/* int8 products for drafting, where the rows only rank tokens: y (R x O) = x (R x I) @ w.T with int8 weights, one
- * float32 scale a row of w (`w_scales`). Each row of x, over its step s (its largest magnitude / 127), is split in
- * two int8 parts, hi = round(x / s) and lo = round((x / s - hi) * 254), so it keeps about 16 bits: x = s (hi + lo / 254).
- * Both builds add the same int32 sums of byte products (see `i8_tiles`), so their outputs are the same. The weight is
- * laid out in 32-column tiles, (O/32, I/4, 32, 4): tile t, input quad g, column c holds w[32t + c, 4g : 4g + 4]. O a
- * multiple of 32, I of 4. Outputs bf16 (plus bias, float32). */
-
-/* y = x @ w.T (+ bias) for bf16 x (R x I) and int8 w tiled as above; returns 1 where memory ran out */
-int i8_rows(const uint16_t* x, const int8_t* wq, const float* w_scales, const int32_t* w_sums, const float* bias,
-            uint16_t* y, int R, int I, int O, int threads) {
-    int8_t* xq = malloc(2 * (size_t)R * I + sizeof(float) * (size_t)R);
-    if (!xq)
-        return 1;
-    float* xs = (float*)(xq + 2 * (size_t)R * I);  /* R * I is a multiple of 4: the steps are aligned */
-    for (int r = 0; r < R; r++) {
-        const uint16_t* xr = x + (size_t)r * I;
-        int8_t *hi = xq + 2 * (size_t)r * I, *lo = hi + I;
-        float most = 0.0f;
-        for (int i = 0; i < I; i++) {
-            float v = fabsf(bf16_to_float(xr[i]));
-            most = v > most ? v : most;
-        }
-        float step = most > 0.0f ? most / 127.0f : 1.0f, inv = 1.0f / step;
-        xs[r] = step;
-        for (int i = 0; i < I; i++) {
-            float v = bf16_to_float(xr[i]) * inv;
-            float whole = rintf(v);
-            hi[i] = (int8_t)whole;
-            lo[i] = (int8_t)rintf((v - whole) * 254.0f);
-        }
-    }
-    int blocks = O / 32;
-    #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
-    {
-        int b0, b1;
-        thread_range(blocks, &b0, &b1);
-        if (b0 < b1)
-            i8_tiles(xq, xs, wq, w_scales, w_sums, bias, y, R, I, O, b0, b1);
-    }
-    free(xq);
-    return 0;
-}
+/* y = x @ w.T (+ bias) by int8 weights, for drafting (`i8_rows`, defined with the screen below) */
+int i8_rows(const uint16_t* x, const int8_t* wq, const float* w_scales, const float* bias, uint16_t* y, int R, int I,
+            int O, int threads);
 
 /* the first index of the largest of n float32s, a NaN counting as the largest (its first one): as torch's argmax.
  * Two passes, the second over what the first left in cache: torch's took 52 us a row of 49152 logits on the
@@ -1341,7 +1200,6 @@ struct draft_args {
     float reg_eps;
     const int8_t* lm_w;
     const float *lm_scales, *lm_bias;
-    const int32_t* lm_sums;
     const int64_t* token_ids;
     const uint16_t* embedding;
 };
@@ -1382,7 +1240,7 @@ int bf16_draft_levels(const struct draft_args* a, const struct draft_level* leve
                                              L->v, L->v_bias, states, R, D, a->heads, a->threads);
         }
         failed |= bf16_output_head(states, e, L->fc, L->fc_bias, L->head_norm, L->head_eps, out, R, D, a->threads);
-        failed |= i8_rows(out, a->lm_w, a->lm_scales, a->lm_sums, a->lm_bias, logits, R, D, a->rows, a->threads);
+        failed |= i8_rows(out, a->lm_w, a->lm_scales, a->lm_bias, logits, R, D, a->rows, a->threads);
         top_probs(logits, R, a->rows, L->k, top, top_p, a->threads);
         for (int j = 0; j < L->children; j++) {
             size_t pick = (size_t)L->child_parent[j] * L->k + (size_t)L->child_rank[j];
@@ -1480,9 +1338,44 @@ static inline __attribute__((always_inline)) void screen_rows(int R, const int16
     }
 }
 
-/* sums (R x 32) of all R rows by tile wt: a chunk of its pairs at a time, read by a pass per half and block of rows
- * while it stays in L1 (a pass per half over the whole tile read it from memory twice) */
+/* one or two rows (R) by all 32 columns of the tile in one pass: their 8 sums fit the registers beside the weights */
+static inline __attribute__((always_inline)) void screen_whole(int R, const int16_t* xq, const int8_t* wt, int pairs,
+                                                               int I, int32_t* sums) {
+    __m256i s[2][4];
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < 4; k++)
+            s[r][k] = _mm256_setzero_si256();
+    const int8_t* wp = wt;
+    for (int p = 0; p < pairs; p++, wp += 64) {
+        _mm_prefetch((const char*)wp + SCREEN_AHEAD, _MM_HINT_NTA);
+        __m256i w[4];
+        for (int k = 0; k < 4; k++)
+            w[k] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wp + 16 * k)));
+        for (int r = 0; r < R; r++) {
+            int32_t pair;
+            memcpy(&pair, xq + (size_t)r * I + 2 * p, 4);
+            __m256i xb = _mm256_set1_epi32(pair);
+            for (int k = 0; k < 4; k++)
+                s[r][k] = _mm256_add_epi32(s[r][k], _mm256_madd_epi16(xb, w[k]));
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int k = 0; k < 4; k++)
+            _mm256_storeu_si256((__m256i*)(sums + 32 * r + 8 * k), s[r][k]);
+}
+
+/* sums (R x 32) of all R rows by tile wt: up to two rows in one pass over it; more a chunk of its pairs at a time,
+ * read by a pass per half and block of rows while it stays in L1 (a pass per half over the whole tile read it from
+ * memory twice). On the AVX2-only EPYC, 8192 rows of 576 took 145 / 163 us (in cache) at 1 / 3 rows by halves,
+ * against 100 / 312 us by the two passes of byte products before them. */
 static void screen_tile(const int16_t* xq, const int8_t* wt, int pairs, int I, int R, int32_t* sums) {
+    if (R <= 2) {
+        if (R == 1)
+            screen_whole(1, xq, wt, pairs, I, sums);
+        else
+            screen_whole(2, xq, wt, pairs, I, sums);
+        return;
+    }
     memset(sums, 0, sizeof(int32_t) * 32 * (size_t)R);
     for (int p0 = 0; p0 < pairs; p0 += SCREEN_CHUNK) {
         int p1 = p0 + SCREEN_CHUNK < pairs ? p0 + SCREEN_CHUNK : pairs;
@@ -1514,29 +1407,43 @@ static void screen_tile(const int16_t* xq, const int8_t* wt, int pairs, int I, i
 }
 #endif
 
-/* Row r of x quantized: xq = round(x / step), |xq| <= most (so no int32 sum overflows), and the coefficients of its
- * bound: every column c's exact sum x . w_c lies within coef[0] * resid[c] + coef[1] * norms[c] of
- * step * scale_c * (xq . q_c), where resid[c] >= |w_c - scale_c q_c| and norms[c] >= |w_c| (Euclidean norms): with
- * d = x - step xq, x . w - (step xq) . (scale q) = x . (w - scale q) + d . (scale q), and |scale q| <= |w| + resid.
- * coef[1] also holds float32's error in summing I products in order, at most I 2^-24 / (1 - I 2^-24) |x| |w|.
- * Returns 0 where x is not finite. */
-static int screen_row(const uint16_t* x, int I, int most, int16_t* xq, float* step, float* coef) {
+/* the largest |xq| for rows of I inputs, so that no int32 sum of I products by int8 weights overflows */
+static int quantize_most(int I) {
+    int most = (int)(2147483647.0 / (127.0 * I));
+    return most > 16383 ? 16383 : most;
+}
+
+/* x (I bf16s) as int16s: xq = round(x / step), |xq| <= most, step = x's largest magnitude / most (1 where it is 0).
+ * Returns step, or -1 (xq not written) where x is not finite. */
+static float quantize_row(const uint16_t* x, int I, int most, int16_t* xq) {
     float top = 0.0f;
     for (int i = 0; i < I; i++) {
         float v = fabsf(bf16_to_float(x[i]));
-        if (!(v <= INFINITY) || v == INFINITY)
-            return 0;
+        if (!(v < INFINITY))
+            return -1.0f;
         top = v > top ? v : top;
     }
-    float s = top / (float)most;
+    float step = top > 0.0f ? top / (float)most : 1.0f;
+    for (int i = 0; i < I; i++) {
+        long q = lrintf(bf16_to_float(x[i]) / step);
+        xq[i] = (int16_t)(q > most ? most : q < -most ? -most : q);
+    }
+    return step;
+}
+
+/* Row x quantized (`quantize_row`) and the coefficients of its bound: every column c's exact sum x . w_c lies within
+ * coef[0] * resid[c] + coef[1] * norms[c] of step * scale_c * (xq . q_c), where resid[c] >= |w_c - scale_c q_c| and
+ * norms[c] >= |w_c| (Euclidean norms): with d = x - step xq, x . w - (step xq) . (scale q) = x . (w - scale q) +
+ * d . (scale q), and |scale q| <= |w| + resid. coef[1] also holds float32's error in summing I products in order, at
+ * most I 2^-24 / (1 - I 2^-24) |x| |w|. Returns 0 where x is not finite. */
+static int screen_row(const uint16_t* x, int I, int most, int16_t* xq, float* step, float* coef) {
+    float s = quantize_row(x, I, most, xq);
+    if (s < 0.0f)
+        return 0;
     double xx = 0.0, dd = 0.0;
     for (int i = 0; i < I; i++) {
-        float v = bf16_to_float(x[i]);
-        long q = s > 0.0f ? lrintf(v / s) : 0;
-        q = q > most ? most : q < -most ? -most : q;
-        xq[i] = (int16_t)q;
-        double d = (double)v - (double)s * (double)q;
-        xx += (double)v * v;
+        double v = bf16_to_float(x[i]), d = v - (double)s * xq[i];
+        xx += v * v;
         dd += d * d;
     }
     double eps = ldexp((double)I, -24), gamma = eps / (1.0 - eps), xn = sqrt(xx), dn = sqrt(dd);
@@ -1554,8 +1461,7 @@ static int screen_row(const uint16_t* x, int I, int most, int16_t* xq, float* st
 int bf16_screen_argmax(const uint16_t* x, int R, const int8_t* wq, const float* scales, const float* resid,
                        const float* norms, const float* bias, const uint16_t* w, int I, int O, int64_t* out,
                        int32_t* counts, int threads) {
-    int pairs = I / 2, blocks = O / 32, most = (int)(2147483647.0 / (127.0 * I));
-    most = most > 16383 ? 16383 : most;
+    int pairs = I / 2, blocks = O / 32, most = quantize_most(I);
     threads = threads > 0 ? threads : 1;
     int16_t* xq = malloc(sizeof(int16_t) * (size_t)R * I);
     float* per_row = malloc(sizeof(float) * (size_t)R * (3 + threads));
@@ -1688,6 +1594,56 @@ int bf16_screen_argmax(const uint16_t* x, int R, const int8_t* wq, const float* 
 #endif
     free(xq), free(per_row), free(pick), free(cols), free(mini), free(mini_bias), free(y);
     return status;
+}
+
+/* int8 products for drafting, where the rows only rank tokens: y (R x O) = x (R x I) @ w.T (+ bias, float32) by int8
+ * weights with a float32 scale a row of w (`w_scales`), laid out as the screen's (O/32, I/2, 32, 2), O a multiple of
+ * 32, I even. Each row of x goes in as int16s (`quantize_row`, ~14 bits) and its exact int32 sums (`screen_tile`) are
+ * scaled, the same in both builds; a row not finite gives NaNs. One pass of int16 pair products took ~40% fewer
+ * instructions than the two passes of byte products (x split in two int8 parts) it replaced on AVX2. Returns 1 where
+ * memory ran out. */
+__attribute__((optimize("fp-contract=off")))  /* each build rounds the products and the bias's sum apart alike */
+int i8_rows(const uint16_t* x, const int8_t* wq, const float* w_scales, const float* bias, uint16_t* y, int R, int I,
+            int O, int threads) {
+    int pairs = I / 2, blocks = O / 32, most = quantize_most(I), failed = 0;
+    int16_t* xq = malloc(sizeof(int16_t) * (size_t)R * I);
+    float* steps = malloc(sizeof(float) * (size_t)R);
+    if (!xq || !steps) {
+        free(xq), free(steps);
+        return 1;
+    }
+    for (int r = 0; r < R; r++) {
+        steps[r] = quantize_row(x + (size_t)r * I, I, most, xq + (size_t)r * I);
+        if (steps[r] < 0.0f)
+            memset(xq + (size_t)r * I, 0, sizeof(int16_t) * (size_t)I);
+    }
+    #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
+    {
+        int b0, b1;
+        thread_range(blocks, &b0, &b1);
+        int32_t* sums = malloc(sizeof(int32_t) * 32 * (size_t)R);
+        if (!sums) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        for (int t = b0; t < b1 && sums; t++) {
+            screen_tile(xq, wq + (size_t)t * pairs * 64, pairs, I, R, sums);
+            for (int r = 0; r < R; r++) {
+                __m256 step = _mm256_set1_ps(steps[r]), nan = _mm256_set1_ps(steps[r] < 0.0f ? NAN : 0.0f);
+                for (int j = 0; j < 32; j += 8) {
+                    int c = 32 * t + j;
+                    __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(
+                        (const __m256i*)(sums + 32 * r + j))), step), _mm256_loadu_ps(w_scales + c));
+                    if (bias)
+                        v = _mm256_add_ps(v, _mm256_loadu_ps(bias + c));
+                    _mm_storeu_si128((__m128i*)(y + (size_t)r * O + c), bf16x8(_mm256_add_ps(v, nan)));
+                }
+            }
+        }
+        free(sums);
+    }
+    free(xq), free(steps);
+    return failed;
 }
 
 static float float_up(double v) {
