@@ -1296,9 +1296,7 @@ static inline __attribute__((always_inline)) void screen_block(int R, const int1
 #else
 #define SCREEN_ROWS 6
 #define SCREEN_CHUNK 32 /* input pairs (2 KB) of a tile that every pass over it reads while they stay in L1 */
-#ifndef SCREEN_AHEAD
-#define SCREEN_AHEAD 8192 /* bytes the screen reads ahead: it takes a line in a few cycles, so further than the products */
-#endif
+#define SCREEN_AHEAD 8192 /* bytes the screen reads ahead (2-16 KB timed alike on the AVX2-only EPYC) */
 /* as above by AVX2's vpmaddwd over pairs p0..p1, a 16-column half (h) of the tile a pass, continuing the sums at
  * sums[32 r + 16 h + j]; the first pass over a chunk reads the next one ahead */
 static inline __attribute__((always_inline)) void screen_half(int R, const int16_t* xq, const int8_t* wt, int p0, int p1,
