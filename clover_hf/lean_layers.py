@@ -27,6 +27,8 @@ kernel's tiled copies and the cache grows in place, the whole layer is one call 
 Where all of a model's layers run so, in one call, a verify forward of a model of LEAN_MODELS runs its decoder's
 embedding, mask and rotary embedding, that call, the final norm and the lm_head without the model's own forwards
 (`model_forward`, checked bitwise against them once a process): one-token forwards 10.5 against 11.4 ms there.
+Asked for greedy choices alone, where the lm_head computes from its tiled copy, it gives each token's argmax from
+the lm_head's int8 screen (`bf16_kernel.Screen`, the same tokens) instead of the logits.
 
 Layers of other classes, with hooks or a replaced `forward` (accelerate's offloading), or in training keep
 their own forward; so does a class whose first lean forward in a process does not match its own on a
