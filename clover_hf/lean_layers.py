@@ -356,7 +356,7 @@ class _ModelForward:
 
 def lm_head_screen(lm_head: nn.Module) -> bf16_kernel.Screen | None:
     """The screen (`bf16_kernel.Screen`) of an nn.Linear lm_head's weight, made once and kept while the weight is
-    unchanged (SmolLM2's took ~0.1 s to make, AVX2-only EPYC); None where the kernel does not take it."""
+    unchanged (SmolLM2's took ~25 ms to make, AVX2-only EPYC); None where the kernel does not take it."""
     weight, bias = getattr(lm_head, "weight", None), getattr(lm_head, "bias", None)
     if not isinstance(lm_head, nn.Linear) or weight is None or weight.requires_grad and torch.is_grad_enabled():
         return None

@@ -1155,3 +1155,25 @@ def test_greedy_decoding_reads_the_lm_heads_screen_and_emits_the_same_tokens(arc
     with pytest.warns(UserWarning, match="differed"):
         assert torch.equal(run(), got)
     assert len(screened) == 1 and list(lean._SCREENS_CHECKED.values()) == [False]
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_the_screens_int8_copy_and_norms_bound_what_they_claim(isa, built, monkeypatch):
+    """Each column's int8 weights (tiled as the screen reads them) are w / scale rounded (w times 1 / scale in float32:
+    within 1e-4 of half a step), scale its largest magnitude / 127, and the norms of w - scale q and of w no smaller
+    than float64's (nor more than a float32 step over), for input sizes with and without a remainder past blocks of 8;
+    a weight not finite in that remainder declines too."""
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    torch.manual_seed(0)
+    for in_features in (576, 10, 6):
+        weight = (torch.randn(64, in_features) * torch.logspace(-3, 1, 64)[:, None]).bfloat16()
+        screen = bf16_kernel.Screen.of(weight, None)
+        q = screen.tiled.transpose(1, 2).reshape(64, in_features).double()
+        w, scale = weight.double(), screen.scales.double()
+        assert torch.equal(screen.scales, (weight.float().abs().amax(1) / 127))
+        assert ((q - w / scale[:, None]).abs() <= 0.5 + 1e-4).all() and q.abs().max() <= 127
+        for got, want in ((screen.resid, (w - scale[:, None] * q).norm(dim=1)), (screen.norms, w.norm(dim=1))):
+            assert (got.double() >= want).all() and (got.double() <= want * (1 + 2.0 ** -22) + 1e-30).all()
+    broken = torch.randn(32, 10).bfloat16()
+    broken[3, 9] = float("-inf")
+    assert bf16_kernel.Screen.of(broken, None) is None
