@@ -1260,8 +1260,8 @@ int bf16_draft_levels(const struct draft_args* a, const struct draft_level* leve
  * row) times it gives each logit's sum before rounding within a bound (Cauchy-Schwarz over the rounding left in x and
  * in w, plus float32's sums: `screen_row`). Rounding to bf16 keeps order, so only the columns whose upper bound rounds
  * to at least what the row's largest lower bound rounds to can give its largest logit (or tie with it); those are
- * computed by `tiles` from w's own rows, as every row count's product computes a column, and the first largest
- * taken. In SmolLM2's verify forwards such columns numbered ~5 a row on average (44 at most over 4 prompts). The
+ * computed by `bf16_rows` from w's own rows, as the whole product computes each column wherever it lies, and the
+ * first largest taken. In SmolLM2's verify forwards such columns numbered ~5 a row on average (44 at most over 4 prompts). The
  * screen reads half the bytes of the bf16 product; on AVX2 its int16 products are as many as the bf16 product's
  * float32 ones, so from 4 rows it gains less (on the AVX2-only EPYC, read from memory: 1.3 against 2.1 ms at one row of
  * SmolLM2's lm_head, 2.3 against 2.5 at four). */
@@ -1548,20 +1548,9 @@ int bf16_screen_argmax(const uint16_t* x, int R, const int8_t* wq, const float* 
     uint16_t* mini = status ? NULL : calloc((size_t)(nt ? nt : 1) * pairs * 64, sizeof(uint16_t));
     float* mini_bias = status || !bias ? NULL : calloc((size_t)(nt ? nt : 1) * 32, sizeof(float));
     uint16_t* y = status ? NULL : malloc(sizeof(uint16_t) * (size_t)R * (nt ? nt : 1) * 32);
-#if defined(__AVX512BF16__)
-    const xtype* xs = x;
-    int x_ok = 1;
-#else
-    float* xs = status ? NULL : malloc(sizeof(float) * (size_t)R * I);
-    int x_ok = xs != NULL;
-#endif
-    if (!status && (!cols || !mini || (bias && !mini_bias) || !y || !x_ok))
+    if (!status && (!cols || !mini || (bias && !mini_bias) || !y))
         status = 1;
     if (!status) {
-#if !defined(__AVX512BF16__)
-        for (size_t i = 0; i < (size_t)R * I; i++)
-            xs[i] = bf16_to_float(x[i]);
-#endif
         for (int c = 0, k = 0; c < O; c++) {
             if (!pick[c])
                 continue;
@@ -1573,7 +1562,7 @@ int bf16_screen_argmax(const uint16_t* x, int R, const int8_t* wq, const float* 
                 mini_bias[k] = bias[c];
             cols[k++] = c;
         }
-        status = tiles(xs, mini, mini_bias, y, R, I, 32 * nt, 0, nt);
+        status = bf16_rows(x, mini, mini_bias, y, R, I, 32 * nt, 1);  /* the lm_head's own product, on few columns */
     }
     for (int r = 0; r < R && !status; r++) {
         int64_t best = -1;
@@ -1587,9 +1576,6 @@ int bf16_screen_argmax(const uint16_t* x, int R, const int8_t* wq, const float* 
         }
         out[r] = best;
     }
-#if !defined(__AVX512BF16__)
-    free(xs);
-#endif
     free(xq), free(per_row), free(pick), free(cols), free(mini), free(mini_bias), free(y);
     return status;
 }
