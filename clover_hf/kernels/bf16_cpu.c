@@ -1364,8 +1364,8 @@ static inline __attribute__((always_inline)) void screen_whole(int R, const int1
 
 /* sums (R x 32) of all R rows by tile wt: up to two rows in one pass over it; more a chunk of its pairs at a time,
  * read by a pass per half and block of rows while it stays in L1 (a pass per half over the whole tile read it from
- * memory twice). On the AVX2-only EPYC, 8192 rows of 576 took 145 / 163 us (in cache) at 1 / 3 rows by halves,
- * against 100 / 312 us by the two passes of byte products before them. */
+ * memory twice). On the AVX2-only EPYC, 8192 rows of 576 took 73 / 179 us (in cache) at 1 / 3 rows, against 104 /
+ * 271 us by the two passes of byte products before them (one row by halves had taken 145). */
 static void screen_tile(const int16_t* xq, const int8_t* wt, int pairs, int I, int R, int32_t* sums) {
     if (R <= 2) {
         if (R == 1)
