@@ -284,6 +284,7 @@ class _ModelForward:
         self.norm: Callable[[torch.Tensor], torch.Tensor] | None = None  # made at the first call that needs it
         self.parts = (model, inner, inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head)
         self.key = (type(model), inner.norm.weight.dtype)
+        self.screens = BlockMemo()  # the lm_head's screen by row count, where its product of those rows is tiled
 
     @staticmethod
     def fits(model: nn.Module) -> bool:
@@ -335,11 +336,10 @@ class _ModelForward:
         """Each token's greedy choice (B, T) from the lm_head's screen (`bf16_kernel.Screen`), the argmax of the
         logits the lm_head computes, where it computes these rows by the kernel's tiled product; else None. Its first
         choices in a process are checked against the whole logits' argmax."""
-        lm_head, rows = self.model.lm_head, normed.shape[0] * normed.shape[1]
-        tiled = getattr(lm_head.forward, "kernel_weights", None)
-        if _SCREENS_CHECKED.get(self.key) is False or tiled is None or tiled(rows) is None:
+        rows = normed.shape[0] * normed.shape[1]
+        if _SCREENS_CHECKED.get(self.key) is False:
             return None
-        screen = lm_head_screen(lm_head)
+        screen = self.screens.get(self.model.lm_head.forward, rows, self._screen)
         targets = None if screen is None else screen(normed.reshape(rows, -1))
         if targets is None:
             return None
@@ -352,6 +352,11 @@ class _ModelForward:
                               stacklevel=3)
                 return None
         return targets.view(normed.shape[:2])
+
+    def _screen(self, rows: int) -> bf16_kernel.Screen | None:
+        """The lm_head's screen where its product of `rows` rows computes from the kernel's tiled copy; else None."""
+        tiled = getattr(self.model.lm_head.forward, "kernel_weights", None)
+        return None if tiled is None or tiled(rows) is None else lm_head_screen(self.model.lm_head)
 
 
 def lm_head_screen(lm_head: nn.Module) -> bf16_kernel.Screen | None:
