@@ -2,9 +2,10 @@
 rows by a weight, and, for lean decoder layers, transformers' RMSNorm (alone or with the residual sum before it),
 rotary embedding and SwiGLU activation in one call each, the attention of a few query tokens, and all of these as
 a whole decoder layer in one call (`DecoderLayer`); the product by int8 rows the heads draft from, their softmax
-top-k, greedy acceptance's argmax, and that argmax of the lm_head's logits without computing them all (`Screen`). In situ each torch op a decoder layer runs took several times its warm time
-(SmolLM2's bf16 silu ~19 us against 4), so every op folded into one call pays: the whole layer in one call made
-one-token forwards 12.8 against 17.8 ms on the AVX2-only EPYC.
+top-k, greedy acceptance's argmax, and that argmax of the lm_head's logits without computing them all (`Screen`).
+In situ each torch op a decoder layer runs took several times its warm time (SmolLM2's bf16 silu ~19 us against 4),
+so every op folded into one call pays: the whole layer in one call made one-token forwards 12.8 against 17.8 ms on
+the AVX2-only EPYC.
 
 Verify forwards multiply 1-16 rows by every weight. On the AVX-512-bf16 EPYC (2 threads), 120 products of
 SmolLM2's decoder shapes took, in ms at 1 / 2 / 4 / 8 / 16 rows:
