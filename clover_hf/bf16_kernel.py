@@ -190,6 +190,9 @@ def load(isa: str, cache_dir: Path | None = None) -> ctypes.CDLL:
     lib.argmax_rows.restype = None
     lib.top_probs.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int]
     lib.top_probs.restype = None
+    lib.top_k_columns.argtypes = [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_int] * 3 + [ctypes.c_void_p, ctypes.c_int] + [
+        ctypes.c_void_p] * 2 + [ctypes.c_int]
+    lib.top_k_columns.restype = ctypes.c_long
     lib.bf16_silu_mul.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
                                   ctypes.c_int, ctypes.c_int]
     lib.bf16_silu_mul.restype = None
@@ -319,6 +322,22 @@ def top_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
         _library.top_probs(logits.data_ptr(), rows, logits.shape[1], k, indices.data_ptr(), probs.data_ptr(),
                            torch.get_num_threads())
     return probs, indices
+
+
+def top_k_columns(scores: torch.Tensor, k: int, marked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A top-k warper's cut of float32 `scores` (R, n) on the CPU, as transformers' TopKLogitsWarper makes it (a score
+    below its row's k-th largest is removed): each row's k-th largest (R,) and, ascending, the columns (C,) that some
+    row keeps or that `marked` (int64 column ids) names. None where no kernel is loaded, the inputs are not of that
+    form (a marked column out of range too) or a score is a NaN."""
+    if (scores.dim() != 2 or scores.dtype is not torch.float32 or not scores.is_cpu or scores.stride(1) != 1
+            or not 0 < k <= scores.shape[1] or marked.dtype is not torch.int64 or not marked.is_cpu or not available()):
+        return None
+    rows, n = scores.shape
+    marked = _contiguous(marked)
+    kth, columns = torch.empty(rows), torch.empty(n, dtype=torch.int64)
+    count = _library.top_k_columns(scores.data_ptr(), scores.stride(0), rows, n, k, marked.data_ptr(), marked.numel(),
+                                   kth.data_ptr(), columns.data_ptr(), torch.get_num_threads())
+    return None if count < 0 else (kth, columns[:count])
 
 
 def fits(weight: torch.Tensor) -> bool:

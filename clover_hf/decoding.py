@@ -33,7 +33,7 @@ from .lean_layers import lean_layers
 from .linears import LinearForms, faster_forms, linear_forms
 from .rows import Batch, Row, criteria_read_scores, pad_id, prefill, sequences, start_rows
 from .tree import DynamicTree, TreeBuffers
-from .verification import MaskLayout, accept_greedy, accept_sampled, process_tree_logits
+from .verification import MaskLayout, TopKCut, accept_greedy, accept_sampled, process_tree_logits, sample_columns
 from .verify_forward import VerifyForward, compile_settings
 
 
@@ -205,8 +205,12 @@ def clover_generate(
         raise ValueError("Clover returns scores and streams for batch size 1 only; pass one sequence at a time")
     prepared = given_cache(model_kwargs)  # generate's or the caller's
     sample, pre_norm = bool(generation_config.do_sample), clover_heads.config.head_input == "pre_norm"
-    # greedy decoding that reads no logits but each node's argmax: no processors, scores kept, or criteria reading them
-    greedy = not sample and not logits_processor and not any(keep) and not criteria_read_scores(stopping_criteria)
+    # nothing reads a step's scores but acceptance: none kept, no criteria reading them
+    unread = not any(keep) and not criteria_read_scores(stopping_criteria)
+    # greedy decoding that reads no logits but each node's argmax
+    greedy = not sample and not logits_processor and unread
+    # sampling through a top-k cut, on the CPU: each node's distribution over the tokens the cut keeps
+    cut = TopKCut.of(logits_processor) if sample and unread and device.type == "cpu" else None
     verify = VerifyForward(model, pre_norm, compile_settings(model, generation_config, prepared), greedy)
     plan = _plan(model, clover_heads, input_ids.shape[0], generation_config, stopping_criteria, clover_tree,
                  clover_lookup, clover_lookup_max, clover_int8_draft, clover_budget, clover_calibrate,
@@ -255,7 +259,8 @@ def clover_generate(
             logits, hidden, targets = verify(ids, mask, node_pos, batch.cache)
             stats.steps += 1
             clock.lap("verify forward")
-            accepted = _accept_rows(batch.active, drafts, logits, targets, logits_processor, sample, stats, budget)
+            accepted = _accept_rows(batch.active, drafts, logits, targets, logits_processor, sample, cut, stats,
+                                    budget)
             clock.lap("accept")
             news, kept = _emit_rows(batch.active, drafts, chains, accepted, logits, plan.lookup, plan.lookup_max)
             batch.keep(kept, node_pos)
@@ -396,24 +401,32 @@ def _fit(drafts: list[Draft], room: int | None) -> list[Draft]:
 
 
 def _accept_rows(rows: list[Row], drafts: list[Draft], logits: torch.Tensor | None, targets: torch.Tensor | None,
-                 logits_processor, sample: bool, stats: GenerationStats, budget: StepBudget | None
-                 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+                 logits_processor, sample: bool, cut: TopKCut | None, stats: GenerationStats,
+                 budget: StepBudget | None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """Each row's accepted nodes (root first), bonus token, and its tree's scores after the logits processors
-    (greedy, or lossless rejection sampling; None where the forward gave each node's greedy choice, `targets`,
-    instead of logits); the budget learns what was accepted."""
+    (greedy, or lossless rejection sampling, over the tokens a top-k `cut` keeps where one is given; the scores are
+    None where the forward gave each node's greedy choice, `targets`, instead of logits, or the cut served); the
+    budget learns what was accepted."""
     accepted = []
     for b, (row, draft) in enumerate(zip(rows, drafts)):
         tokens, tree = draft.tokens, draft.tree
         n = tokens.shape[0]
         host = None if draft.host is None else draft.host[1]
-        scores = None if targets is not None else process_tree_logits(
-            logits[b, :n], row.emitter.input_ids, tokens, tree, logits_processor)
+        scores = None
         if targets is not None:
             nodes, bonus = accept_greedy(tokens, targets[b, :n], tree, host)
         elif sample:
             uniforms = torch.rand(n, device=tokens.device)
-            nodes, bonus = accept_sampled(tokens, scores.softmax(-1), tree, uniforms)
+            columns = None if cut is None else sample_columns(logits[b, :n], row.emitter.input_ids, tokens, tree, cut)
+            if columns is not None:
+                probs, ids, at = columns
+                nodes, bonus = accept_sampled(at, probs, tree, uniforms)
+                bonus = ids[bonus]
+            else:
+                scores = process_tree_logits(logits[b, :n], row.emitter.input_ids, tokens, tree, logits_processor)
+                nodes, bonus = accept_sampled(tokens, scores.softmax(-1), tree, uniforms)
         else:
+            scores = process_tree_logits(logits[b, :n], row.emitter.input_ids, tokens, tree, logits_processor)
             chosen = bf16_kernel.argmax(scores)
             nodes, bonus = accept_greedy(tokens, scores.argmax(-1) if chosen is None else chosen, tree, host)
         stats.accepted_lengths.append(nodes.shape[0] - 1)
@@ -428,7 +441,8 @@ def _emit_rows(rows: list[Row], drafts: list[Draft], chains: list[torch.Tensor],
                logits: torch.Tensor | None, lookup: int, lookup_max: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Emit each row's accepted drafts and bonus token (each was scored at its parent node) until a
     stopping criterion; returns each row's new tokens and the tree nodes its cache keeps. Without `logits` (a
-    step that gave greedy choices alone) the emitters, which then keep no scores, get None for them."""
+    step that gave greedy choices alone) or a row's scores (sampled through a top-k cut) the emitters, which then
+    keep no scores, get None for them."""
     news, kept = [], []
     for b, (row, draft, chain, (nodes, bonus, scores)) in enumerate(zip(rows, drafts, chains, accepted)):
         new = torch.cat([draft.tokens.index_select(0, nodes[1:]), bonus.view(1)])
@@ -438,7 +452,7 @@ def _emit_rows(rows: list[Row], drafts: list[Draft], chains: list[torch.Tensor],
         keeps = row.emitter.scores is not None or row.emitter.raw_logits is not None
         chain_path = not keeps and nodes.device.type == "cpu" and int(nodes[-1]) == nodes.shape[0] - 1
         rows_at = (lambda t: t[: nodes.shape[0]]) if chain_path else (lambda t: t.index_select(0, nodes))
-        n, row.finished = (row.emitter.emit(new, None, None) if logits is None else
+        n, row.finished = (row.emitter.emit(new, None, None) if logits is None or scores is None else
                            row.emitter.emit(new, rows_at(scores), rows_at(logits[b])))
         row.ngrams.extend(new[:n].tolist())
         kept.append(nodes[:n])  # the cache holds every emitted token but the last

@@ -8,9 +8,12 @@ from statistics import NormalDist
 import pytest
 import torch
 
-from clover_hf import CloverForCausalLM, CostModel
+from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
+                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+from clover_hf import CloverForCausalLM, CostModel, bf16_kernel, decoding
 from clover_hf.tree import StepTree, build_tree
-from clover_hf.verification import accept_sampled, process_tree_logits, sample_token
+from clover_hf.verification import TopKCut, accept_sampled, process_tree_logits, sample_columns, sample_token
 
 from .test_decoding import DRAFTING
 from .tiny import ARCHS, oracle_model, prompt, same, tiny_model
@@ -242,3 +245,130 @@ def test_tree_processors_match_per_node_application():
         path = [int(tokens[j]) for j in tree.ancestors[i].nonzero().flatten()[1:]]  # below the root
         ids = torch.cat([input_ids, torch.tensor([path], dtype=torch.long)], dim=1)
         assert torch.equal(fast[i], procs(ids, logits[i : i + 1])[0])
+
+
+def _tie_heavy_scores(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Logits as a bf16 lm_head gives them (few distinct values: many equal ones), some of them -inf."""
+    g = torch.Generator().manual_seed(seed)
+    scores = (torch.randn(rows, vocab, generator=g) * 3).bfloat16().float()
+    scores[:, torch.randint(0, vocab, (vocab // 50,), generator=g)] = float("-inf")
+    return scores
+
+
+@pytest.mark.skipif(not bf16_kernel.available(), reason="needs the CPU kernel (x86 with AVX2 and a C compiler)")
+def test_top_k_columns_is_torchs_cut():
+    """Each row's k-th largest is torch.topk's, equal values counted apart; the columns are those some row keeps
+    (at least its k-th largest, as transformers' TopKLogitsWarper keeps them) and the marked ones, ascending."""
+    for seed, (rows, vocab) in enumerate([(1, 49152), (4, 1000), (3, 37), (2, 8)]):
+        scores = _tie_heavy_scores(rows, vocab, seed)
+        if vocab == 37:
+            scores = torch.randint(0, 3, (rows, vocab), generator=torch.Generator().manual_seed(seed)).float()
+        marked = torch.tensor([0, vocab - 1, vocab - 1])
+        for k in sorted({1, 2, min(50, vocab), vocab}):
+            kth, columns = bf16_kernel.top_k_columns(scores, k, marked)
+            assert torch.equal(kth, scores.topk(k).values[:, -1]), (vocab, k)
+            keep = (scores >= kth[:, None]).any(0)
+            keep[marked] = True
+            assert torch.equal(columns, keep.nonzero()[:, 0]), (vocab, k)
+    scores = _tie_heavy_scores(2, 500, 9)
+    strided = torch.cat([scores, scores], dim=1)[:, :500]  # rows 1000 floats apart
+    assert torch.equal(bf16_kernel.top_k_columns(strided, 5, marked[:0])[0], scores.topk(5).values[:, -1])
+    scores[1, 300] = float("nan")
+    assert bf16_kernel.top_k_columns(scores, 5, marked[:0]) is None  # torch ranks NaNs apart: not this cut
+    assert bf16_kernel.top_k_columns(scores[:1], 5, torch.tensor([500])) is None  # a column out of range
+    assert bf16_kernel.top_k_columns(scores[:1].double(), 5, marked[:0]) is None
+
+
+CUT_PROCESSORS = {
+    "top-k": lambda: [TopKLogitsWarper(50)],
+    "temperature, top-k": lambda: [TemperatureLogitsWarper(0.7), TopKLogitsWarper(20)],
+    "penalty, top-k, min-p": lambda: [RepetitionPenaltyLogitsProcessor(1.3), TemperatureLogitsWarper(0.8),
+                                      TopKLogitsWarper(10), MinPLogitsWarper(0.05)],
+    "two cuts, temperature between": lambda: [TopKLogitsWarper(8), TemperatureLogitsWarper(0.5), TopKLogitsWarper(3)],
+}
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+@pytest.mark.parametrize("name", list(CUT_PROCESSORS))
+def test_sample_columns_is_the_whole_distribution(name, kernel, monkeypatch):
+    """Over the columns a top-k cut leaves, each node's distribution is the processors' softmax over the whole
+    vocabulary (up to float32 sums' order), whose every other token has probability 0; node tokens map to their
+    columns. Without the kernel, torch's operations find the same columns."""
+    if not kernel:
+        monkeypatch.setattr(bf16_kernel, "top_k_columns", lambda *args: None)
+    tree = build_tree([[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]], lookup=2)
+    g = torch.Generator().manual_seed(1)
+    scores = _tie_heavy_scores(tree.num_nodes, 3000, 2)
+    tokens = torch.randint(0, 3000, (tree.num_nodes,), generator=g)
+    input_ids = torch.cat([torch.randint(0, 3000, (1, 30), generator=g), tokens[:1, None]], dim=1)
+    processors = LogitsProcessorList(CUT_PROCESSORS[name]())
+    cut = TopKCut.of(processors)
+    probs, columns, at = sample_columns(scores, input_ids, tokens, tree, cut)
+    whole = process_tree_logits(scores, input_ids, tokens, tree, processors).softmax(-1)
+    assert torch.equal(columns[at], tokens) and bool((columns[1:] > columns[:-1]).all())
+    outside = torch.ones(3000, dtype=torch.bool)
+    outside[columns] = False
+    assert not whole[:, outside].any()
+    assert torch.equal(probs > 0, whole[:, columns] > 0)
+    torch.testing.assert_close(probs, whole[:, columns], rtol=1e-5, atol=1e-7)
+    scores[2, 7] = float("nan")
+    assert sample_columns(scores, input_ids, tokens, tree, cut) is None
+
+
+def test_a_top_k_cut_serves_only_processors_it_keeps_exact():
+    """The cut serves a first top-k warper (anything before it) followed by temperature, top-k or min-p warpers
+    that fill -inf; not top-p (which of equal scores it removes follows an unstable sort over the whole row),
+    another filter value, min-p keeping more than one token, or any other processor after the cut."""
+    cut = TopKCut.of(LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.2), TemperatureLogitsWarper(0.7),
+                                          TopKLogitsWarper(40), MinPLogitsWarper(0.1)]))
+    assert cut is not None and cut.k == 40 and len(cut.before) == 2 and len(cut.after) == 1
+    for declined in ([TemperatureLogitsWarper(0.7)], [TopKLogitsWarper(40), TopPLogitsWarper(0.9)],
+                     [TopKLogitsWarper(40, filter_value=-1e4)], [TopKLogitsWarper(40), MinPLogitsWarper(0.1, min_tokens_to_keep=2)],
+                     [TopKLogitsWarper(40), RepetitionPenaltyLogitsProcessor(1.2)], []):
+        assert TopKCut.of(LogitsProcessorList(declined)) is None, declined
+
+
+def test_accept_sampled_over_columns_is_accept_sampled_over_the_vocabulary():
+    """Given the same probabilities, the walk over a cut's columns accepts the same nodes and draws the same token as
+    over the whole vocabulary (zero columns added change no sum): the tree's repeats and rejections included."""
+    tree = build_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]], lookup=3)
+    g = torch.Generator().manual_seed(5)
+    for trial in range(300):
+        columns = torch.randperm(200, generator=g)[:12].sort().values
+        probs = torch.rand(tree.num_nodes, 12, generator=g) ** 4
+        probs[torch.rand(probs.shape, generator=g) < 0.4] = 0.0
+        probs[:, 0] += 1e-3  # no row all zero
+        probs /= probs.sum(-1, keepdim=True)
+        at = torch.randint(0, 12, (tree.num_nodes,), generator=g)
+        at[tree.num_nodes - 3 :] = at[1 : 4]  # a lookup chain that repeats drafted tokens
+        uniforms = torch.rand(tree.num_nodes, generator=g)
+        whole = torch.zeros(tree.num_nodes, 200).index_copy_(1, columns, probs)
+        nodes, drawn = accept_sampled(at, probs, tree, uniforms)
+        whole_nodes, whole_drawn = accept_sampled(columns[at], whole, tree, uniforms)
+        assert torch.equal(nodes, whole_nodes) and int(columns[drawn]) == int(whole_drawn), trial
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_sampling_through_the_cut_draws_what_the_whole_distribution_draws(arch, monkeypatch):
+    """End to end, seeded: sampling with a top-k cut emits the tokens the whole vocabulary's scores give (the same
+    draws from the same distribution); a call that returns scores computes them whole."""
+    base = tiny_model(arch)
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
+    ids = prompt(4)
+    settings = dict(max_new_tokens=40, do_sample=True, temperature=0.9, top_k=5, budget="full")
+    served = []
+    real = decoding.sample_columns
+    monkeypatch.setattr(decoding, "sample_columns", lambda *a: served.append(1) or real(*a))
+    runs = []
+    for cut in (True, False):
+        if not cut:
+            monkeypatch.setattr(decoding.TopKCut, "of", classmethod(lambda cls, processors: None))
+        served.clear()
+        torch.manual_seed(3)
+        runs.append(clover.generate(ids, **settings))
+        assert bool(served) == cut
+    assert same(runs[0], runs[1])
+    monkeypatch.undo()
+    monkeypatch.setattr(decoding, "sample_columns", lambda *a: served.append(2) or real(*a))
+    out = clover.generate(ids, return_dict_in_generate=True, output_scores=True, **settings)
+    assert 2 not in served and len(out.scores) == out.sequences.shape[1] - ids.shape[1]
