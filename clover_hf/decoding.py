@@ -420,11 +420,11 @@ def _accept_rows(rows: list[Row], drafts: list[Draft], logits: torch.Tensor | No
             columns = None if cut is None else sample_columns(logits[b, :n], row.emitter.input_ids, tokens, tree, cut)
             if columns is not None:
                 probs, ids, at = columns
-                nodes, bonus = accept_sampled(at, probs, tree, uniforms)
+                nodes, bonus = accept_sampled(at, probs, tree, uniforms, host)
                 bonus = ids[bonus]
             else:
                 scores = process_tree_logits(logits[b, :n], row.emitter.input_ids, tokens, tree, logits_processor)
-                nodes, bonus = accept_sampled(tokens, scores.softmax(-1), tree, uniforms)
+                nodes, bonus = accept_sampled(tokens, scores.softmax(-1), tree, uniforms, host)
         else:
             scores = process_tree_logits(logits[b, :n], row.emitter.input_ids, tokens, tree, logits_processor)
             chosen = bf16_kernel.argmax(scores)

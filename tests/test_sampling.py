@@ -11,7 +11,7 @@ import torch
 from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from clover_hf import CloverForCausalLM, CostModel, bf16_kernel, decoding
+from clover_hf import CloverForCausalLM, CostModel, bf16_kernel, decoding, verification
 from clover_hf.tree import StepTree, build_tree
 from clover_hf.verification import TopKCut, accept_sampled, process_tree_logits, sample_columns, sample_token
 
@@ -372,3 +372,26 @@ def test_sampling_through_the_cut_draws_what_the_whole_distribution_draws(arch, 
     monkeypatch.setattr(decoding, "sample_columns", lambda *a: served.append(2) or real(*a))
     out = clover.generate(ids, return_dict_in_generate=True, output_scores=True, **settings)
     assert 2 not in served and len(out.scores) == out.sequences.shape[1] - ids.shape[1]
+
+
+def test_the_walk_on_the_host_is_the_walk_in_tensors():
+    """On the CPU the walk runs over host lists: it accepts the nodes and draws the token the tensor operations do
+    (off the CPU), over trees with repeated paths (a lookup chain down a drafted branch), rejections and zero masses.
+    Given the tree's parents as a list, it reads the same."""
+    tree = build_tree([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]], lookup=3)
+    parents = tree.parents.tolist()
+    assert tree.chain_flags.nonzero().flatten().tolist() == [4, 8, 10] and parents[5] == 1 and parents[9] == 5
+    g = torch.Generator().manual_seed(11)
+    for trial in range(500):
+        probs = torch.rand(tree.num_nodes, 9, generator=g) ** 3
+        probs[torch.rand(probs.shape, generator=g) < 0.3] = 0.0
+        probs[:, 0] += 1e-3
+        probs /= probs.sum(-1, keepdim=True)
+        tokens = torch.randint(0, 9, (tree.num_nodes,), generator=g)
+        if trial % 2:  # the chain (nodes 4, 8, 10) repeats the drafted path (0,), (0, 0), (0, 0, 0) (nodes 1, 5, 9)
+            tokens[[4, 8, 10]] = tokens[[1, 5, 9]]
+        uniforms = torch.rand(tree.num_nodes, generator=g)
+        want = verification._walk_in_tensors(tokens, probs, tree, uniforms)
+        for given in (None, parents):
+            nodes, token = accept_sampled(tokens, probs, tree, uniforms, given)
+            assert torch.equal(nodes, want[0]) and int(token) == int(want[1]), trial
