@@ -215,6 +215,9 @@ def load(isa: str, cache_dir: Path | None = None) -> ctypes.CDLL:
     lib.bf16_screen_argmax.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 2 + [
         ctypes.c_void_p] * 2 + [ctypes.c_int]
     lib.bf16_screen_argmax.restype = ctypes.c_int
+    lib.bf16_screen_top_k.argtypes = [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int] * 3 + [
+        ctypes.c_void_p] * 2 + [ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+    lib.bf16_screen_top_k.restype = ctypes.c_long
     lib.screen_prepare.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 4 + [ctypes.c_int]
     lib.screen_prepare.restype = ctypes.c_int
     return lib
@@ -479,6 +482,30 @@ class Screen:
             raise MemoryError(f"bf16_kernel: no memory to screen {rows} rows")
         self.counts = counts
         return None if failed else out
+
+    def top_k(self, x: torch.Tensor, k: int, room: int = 4096) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For bf16 rows x (N, I): the columns (C,) ascending that may hold one of some row's k largest logits (every
+        column at least a row's k-th largest is among them: C >= k) and their logits (N, C) float32, as the lm_head
+        computes and rounds them (`bf16_screen_top_k`). None where x is not of that form or not finite, or more than
+        `room` columns would be taken."""
+        out_features, in_features = self.weight.shape
+        if not (x.dim() == 2 and x.shape[1] == in_features and x.shape[0] and x.dtype is torch.bfloat16 and x.is_cpu
+                and 0 < k <= out_features):
+            return None
+        x = _contiguous(x)
+        rows, room = x.shape[0], min(room, out_features)
+        columns, values = torch.empty(room, dtype=torch.int64), torch.empty(rows * room)
+        counts = torch.empty(rows, dtype=torch.int32)
+        taken = _library.bf16_screen_top_k(
+            x.data_ptr(), rows, self.tiled.data_ptr(), self.scales.data_ptr(), self.resid.data_ptr(),
+            self.norms.data_ptr(), _pointer(self.bias), self.weight.data_ptr(), in_features, out_features, k,
+            columns.data_ptr(), values.data_ptr(), room, counts.data_ptr(), torch.get_num_threads())
+        if taken == -1:
+            raise MemoryError(f"bf16_kernel: no memory to screen {rows} rows")
+        if taken < 0:
+            return None
+        self.counts = counts
+        return columns[:taken], values[: rows * taken].view(rows, taken)
 
 
 def linear(x: torch.Tensor, tiled: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

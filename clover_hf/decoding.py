@@ -211,7 +211,8 @@ def clover_generate(
     greedy = not sample and not logits_processor and unread
     # sampling through a top-k cut, on the CPU: each node's distribution over the tokens the cut keeps
     cut = TopKCut.of(logits_processor) if sample and unread and device.type == "cpu" else None
-    verify = VerifyForward(model, pre_norm, compile_settings(model, generation_config, prepared), greedy)
+    verify = VerifyForward(model, pre_norm, compile_settings(model, generation_config, prepared), greedy,
+                           cut.k if cut is not None and cut.screens else None)
     plan = _plan(model, clover_heads, input_ids.shape[0], generation_config, stopping_criteria, clover_tree,
                  clover_lookup, clover_lookup_max, clover_int8_draft, clover_budget, clover_calibrate,
                  cache_kind=f"static {verify.key}" if is_static(prepared) else None,
@@ -256,11 +257,11 @@ def clover_generate(
             width = verify.width(max(d.tokens.shape[0] for d in drafts), room)
             ids, node_pos, allowed = stack_trees(drafts, batch.active, width)
             mask = batch.attention(node_pos, allowed, model.dtype)
-            logits, hidden, targets = verify(ids, mask, node_pos, batch.cache)
+            logits, hidden, targets, columns = verify(ids, mask, node_pos, batch.cache)
             stats.steps += 1
             clock.lap("verify forward")
-            accepted = _accept_rows(batch.active, drafts, logits, targets, logits_processor, sample, cut, stats,
-                                    budget)
+            accepted = _accept_rows(batch.active, drafts, logits, targets, columns, logits_processor, sample, cut,
+                                    stats, budget)
             clock.lap("accept")
             news, kept = _emit_rows(batch.active, drafts, chains, accepted, logits, plan.lookup, plan.lookup_max)
             batch.keep(kept, node_pos)
@@ -401,12 +402,14 @@ def _fit(drafts: list[Draft], room: int | None) -> list[Draft]:
 
 
 def _accept_rows(rows: list[Row], drafts: list[Draft], logits: torch.Tensor | None, targets: torch.Tensor | None,
-                 logits_processor, sample: bool, cut: TopKCut | None, stats: GenerationStats,
-                 budget: StepBudget | None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+                 columns: torch.Tensor | None, logits_processor, sample: bool, cut: TopKCut | None,
+                 stats: GenerationStats, budget: StepBudget | None
+                 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """Each row's accepted nodes (root first), bonus token, and its tree's scores after the logits processors
     (greedy, or lossless rejection sampling, over the tokens a top-k `cut` keeps where one is given; the scores are
-    None where the forward gave each node's greedy choice, `targets`, instead of logits, or the cut served); the
-    budget learns what was accepted."""
+    None where the forward gave each node's greedy choice, `targets`, instead of logits, or the cut served). The
+    logits are those of the vocabulary's `columns` alone where the forward gave those. The budget learns what was
+    accepted."""
     accepted = []
     for b, (row, draft) in enumerate(zip(rows, drafts)):
         tokens, tree = draft.tokens, draft.tree
@@ -417,11 +420,15 @@ def _accept_rows(rows: list[Row], drafts: list[Draft], logits: torch.Tensor | No
             nodes, bonus = accept_greedy(tokens, targets[b, :n], tree, host)
         elif sample:
             uniforms = torch.rand(n, device=tokens.device)
-            columns = None if cut is None else sample_columns(logits[b, :n], row.emitter.input_ids, tokens, tree, cut)
-            if columns is not None:
-                probs, ids, at = columns
+            made = None if cut is None else sample_columns(logits[b, :n], row.emitter.input_ids, tokens, tree, cut,
+                                                          columns)
+            if made is not None:
+                probs, ids, at = made
                 nodes, bonus = accept_sampled(at, probs, tree, uniforms, host)
                 bonus = ids[bonus]
+            elif columns is not None:  # the whole logits are not at hand, and these hold a NaN: no distribution
+                raise RuntimeError("clover-hf: the base's logits hold a NaN, so there is no distribution to sample "
+                                   "from (its weights or activations overflowed; try float32 or bfloat16)")
             else:
                 scores = process_tree_logits(logits[b, :n], row.emitter.input_ids, tokens, tree, logits_processor)
                 nodes, bonus = accept_sampled(tokens, scores.softmax(-1), tree, uniforms, host)

@@ -75,7 +75,8 @@ LEAN_MODELS = {"LlamaForCausalLM": "transformers.models.llama.modeling_llama",
                "MistralForCausalLM": "transformers.models.mistral.modeling_mistral",
                "Qwen2ForCausalLM": "transformers.models.qwen2.modeling_qwen2"}
 _MODELS_CHECKED: dict[tuple, bool] = {}  # (model class, dtype) -> whether `_ModelForward` matched its own forward
-_SCREENS_CHECKED: dict[tuple, bool] = {}  # (model class, dtype) -> whether the lm_head's screen chose as its logits do
+_SCREENS_CHECKED: dict[tuple, bool] = {}  # (model class, dtype[, "top-k"]) -> whether the lm_head's screen chose as
+# its logits do (its argmax, or the columns of a top-k cut)
 _SCREENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lm_head -> (what it was made of, its screen)
 PACK_QUERIES, PACK_KEYS = 8, 1024  # a few query tokens attend packed (`pack`): this many at most, over this many keys
 TRIAL_TOKENS = 3  # tokens of the input a class's lean forward is checked on, once per process (`_checked`)
@@ -294,9 +295,11 @@ class _ModelForward:
             type(model).__module__ == type(inner).__module__ == LEAN_MODELS[type(model).__name__])
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache, pre_norm: bool,
-                 greedy: bool = False) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None:
+                 greedy: bool = False, top_k: int | None = None) -> tuple | None:
         """(float32 logits, last hidden states: before the final norm with `pre_norm`, None), or None (nothing done).
-        With `greedy`, where the lm_head's screen serves (`_greedy`): (None, hidden states, each token's argmax)."""
+        With `greedy`, where the lm_head's screen serves (`_greedy`): (None, hidden states, each token's argmax). With
+        `top_k`, where it serves (`_top_k`): (logits (B, T, C) at columns (C,) alone, hidden states, None, columns),
+        every logit at least its token's k-th largest among them."""
         if self.causal_mask is None or _MODELS_CHECKED.get(self.key) is False or any(
                 part._forward_hooks or part._forward_pre_hooks for part in self.parts):
             return None
@@ -320,6 +323,10 @@ class _ModelForward:
             targets = self._greedy(normed)
             if targets is not None:
                 return None, hidden, targets
+        if top_k and _MODELS_CHECKED.get(self.key):
+            made = self._top_k(normed, top_k)
+            if made is not None:
+                return made[1].view(*normed.shape[:2], -1), hidden, None, made[0]
         logits = self.model.lm_head(normed).float()
         if self.key not in _MODELS_CHECKED:
             for layer in stored:
@@ -352,6 +359,26 @@ class _ModelForward:
                               stacklevel=3)
                 return None
         return targets.view(normed.shape[:2])
+
+    def _top_k(self, normed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(columns (C,), their logits (rows, C)) of the lm_head's screen (`bf16_kernel.Screen.top_k`), every logit at
+        least its row's k-th largest among them, where it computes these rows by the kernel's tiled product; else None.
+        Its first columns in a process are checked against the whole logits."""
+        rows, key = normed.shape[0] * normed.shape[1], (*self.key, "top-k")
+        if _SCREENS_CHECKED.get(key) is False:
+            return None
+        screen = self.screens.get(self.model.lm_head.forward, rows, self._screen)
+        made = None if screen is None else screen.top_k(normed.reshape(rows, -1), k)
+        if made is None or key in _SCREENS_CHECKED:
+            return made
+        whole = self.model.lm_head(normed).float().reshape(rows, -1)
+        kept = (whole >= whole.topk(k).values[:, -1:]).any(0).nonzero()[:, 0]
+        _SCREENS_CHECKED[key] = bool(torch.isin(kept, made[0]).all()) and torch.equal(whole[:, made[0]], made[1])
+        if not _SCREENS_CHECKED[key]:
+            warnings.warn(f"clover-hf's top-k columns from {type(self.model).__name__}'s lm_head screen differed from "
+                          "its logits'; the logits are computed whole from now on (slower)", stacklevel=3)
+            return None
+        return made
 
     def _screen(self, rows: int) -> bf16_kernel.Screen | None:
         """The lm_head's screen where its product of `rows` rows computes from the kernel's tiled copy; else None."""

@@ -184,6 +184,7 @@ def process_tree_logits(
 # takes no part in what they do to the others. Not top-p: which of equal scores it removes follows torch.sort's
 # order over the whole row, which is not stable.
 AFTER_CUT = (TemperatureLogitsWarper, TopKLogitsWarper, MinPLogitsWarper)
+SCREENED_K = 256  # the largest k whose columns the lm_head's screen gives (a few times k columns a node)
 
 
 @dataclass(frozen=True)
@@ -208,6 +209,14 @@ class TopKCut:
                 return None
         return cls(LogitsProcessorList(processors[:at]), processors[at].top_k, tuple(processors[at + 1 :]))
 
+    @property
+    def screens(self) -> bool:
+        """Whether the cut reads the logits alone (no processor before it but a temperature, which keeps every
+        two bf16 logits apart at temperatures of 1e-3 to 1e3): the lm_head may then give only the columns that may
+        hold a node's k largest (`bf16_kernel.Screen.top_k`)."""
+        return self.k <= SCREENED_K and all(type(p) is TemperatureLogitsWarper and 1e-3 <= p.temperature <= 1e3
+                                            for p in self.before)
+
 
 def sample_columns(
     logits: torch.Tensor,  # (N, V) float32 raw logits at each node
@@ -215,27 +224,37 @@ def sample_columns(
     tokens: torch.Tensor,  # (N,) node tokens, root first
     tree: TreeBuffers | StepTree,
     cut: TopKCut,
+    columns: torch.Tensor | None = None,  # (C,) the vocabulary ids of `logits`' columns, ascending; None: all of them
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Each node's sampling distribution over the columns its top-k `cut` leaves some node, with the node tokens:
     (probs (N, C), their token ids (C,) ascending, each node token's column (N,)). It is `process_tree_logits(...)
     .softmax(-1)` at those columns (every other token's probability there is 0), up to the order of float32 sums,
     without its operations over the whole vocabulary after the cut: at one node of SmolLM2 on the AVX2-only EPYC
-    the cut, the softmax and the draw took ~0.5 ms over every token. None where a score is a NaN."""
+    the cut, the softmax and the draw took ~0.5 ms over every token. Given `columns` (where the cut `screens`: every
+    logit left out lies below its node's k-th largest), node tokens outside them join at -inf. None where a score is
+    a NaN."""
+    ids, at = columns, tokens
+    if columns is not None:
+        ids, inverse = torch.cat([columns, tokens]).unique(return_inverse=True)
+        given = logits
+        logits = given.new_full((given.shape[0], ids.shape[0]), -float("inf"))
+        logits[:, inverse[: columns.shape[0]]] = given
+        at = inverse[columns.shape[0] :]
     scores = process_tree_logits(logits, input_ids, tokens, tree, cut.before)
     k = min(cut.k, scores.shape[1])
-    made = bf16_kernel.top_k_columns(scores, k, tokens)
+    made = bf16_kernel.top_k_columns(scores, k, at)
     if made is None:
         if torch.isnan(scores).any():
             return None
         kth = scores.topk(k).values[:, -1]
-        columns = torch.cat([(scores >= kth[:, None]).any(0).nonzero()[:, 0], tokens]).unique()
+        kept_at = torch.cat([(scores >= kth[:, None]).any(0).nonzero()[:, 0], at]).unique()
     else:
-        kth, columns = made
-    kept = scores[:, columns]
+        kth, kept_at = made
+    kept = scores[:, kept_at]
     kept = kept.masked_fill(kept < kth[:, None], -float("inf"))
     for warper in cut.after:
         kept = warper(input_ids.expand(kept.shape[0], -1), kept)
-    return kept.softmax(-1), columns, torch.searchsorted(columns, tokens)
+    return kept.softmax(-1), kept_at if ids is None else ids[kept_at], torch.searchsorted(kept_at, at)
 
 
 def _depth_prefixes(input_ids: torch.Tensor, tokens: torch.Tensor, tree: TreeBuffers | StepTree) -> list[torch.Tensor]:

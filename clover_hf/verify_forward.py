@@ -130,22 +130,25 @@ def _compiled(model: PreTrainedModel, config: CompileConfig, pre_norm: bool) -> 
 
 class Verified(NamedTuple):
     """What a verify forward gives: its logits (B, T, V) in float32 and last hidden states (B, T, H); asked only for
-    greedy choices, where the lm_head screens them (`lean_layers._ModelForward`), those (B, T) instead of logits."""
+    greedy choices, where the lm_head screens them (`lean_layers._ModelForward`), those (B, T) instead of logits;
+    asked for a top-k cut's columns, where it screens them, the logits (B, T, C) at those `columns` (C,) alone."""
 
     logits: torch.Tensor | None
     hidden: torch.Tensor
     targets: torch.Tensor | None = None
+    columns: torch.Tensor | None = None
 
 
 class VerifyForward:
-    """The base forward of a step's tree over the batch's cache: `(logits, hidden, targets) = verify(ids, mask,
-    positions, cache)`, compiled when `config` is given and the cache is static. `greedy`: the call reads each
+    """The base forward of a step's tree over the batch's cache: `(logits, hidden, targets, columns) = verify(ids,
+    mask, positions, cache)`, compiled when `config` is given and the cache is static. `greedy`: the call reads each
     token's greedy choice alone (no sampling, logits processors, or scores kept or read), which the lean forward
-    then gives as `targets` without the logits where it can."""
+    then gives as `targets` without the logits where it can. `top_k`: the call samples through a top-k cut of the
+    logits alone (`verification.TopKCut.screens`), whose columns the lean forward then gives where it can."""
 
     def __init__(self, model: PreTrainedModel, pre_norm: bool, config: CompileConfig | None = None,
-                 greedy: bool = False) -> None:
-        self.model, self.pre_norm, self.greedy = model, pre_norm, greedy
+                 greedy: bool = False, top_k: int | None = None) -> None:
+        self.model, self.pre_norm, self.greedy, self.top_k = model, pre_norm, greedy, top_k
         self.compiled = None if config is None else _compiled(model, config, pre_norm)
         self.config = None if self.compiled is None else config
         self.settled = True  # whether the last call ran a shape past its compiling calls (its time is the step's)
@@ -173,7 +176,7 @@ class VerifyForward:
         self.settled = calls < 0 or calls >= WARM_CALLS
         if calls < 0:
             lean = model_forward(self.model)  # within `lean_layers`, where the layers all run in one kernel call
-            out = None if lean is None else lean(ids, mask, positions, cache, self.pre_norm, self.greedy)
+            out = None if lean is None else lean(ids, mask, positions, cache, self.pre_norm, self.greedy, self.top_k)
             return Verified(*(out if out is not None else base_forward(self.model, ids, mask, positions, cache,
                                                                        pre_norm=self.pre_norm)))
         if self.model.device.type == "cuda" and self.config.mode == "reduce-overhead":

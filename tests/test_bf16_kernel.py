@@ -1089,6 +1089,38 @@ def test_the_lm_heads_screen_chooses_the_argmax_of_the_tiled_products_logits(isa
 
 
 @pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("rows", [1, 4, 9])
+def test_the_lm_heads_screen_takes_every_column_of_the_top_k(isa, rows, built, monkeypatch):
+    """`Screen.top_k` takes, ascending, every column whose logit is at least its row's k-th largest (equal ones
+    included), and gives those columns' logits as the tiled product rounds them: over the argmax test's weights (exact
+    ties, last-bit differences, rows the int8 copy barely tells apart) and scales, with and without a bias. A bound
+    short of the weights' rounding misses columns of this test. Where more columns would be taken than `room`, none."""
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    torch.manual_seed(rows)
+    for out_features, in_features in ((64, 32), (1024, 576)):
+        weight = (torch.randn(out_features, in_features) * 0.2).bfloat16()
+        weight[32:64] = (weight[17].float() + 0.002 * torch.randn(32, in_features)).bfloat16()
+        weight[5] = weight[17] = weight[40]
+        weight[40, 3] = (weight[40, 3:4].view(torch.int16) + 1).view(torch.bfloat16)[0]
+        for bias in (None, torch.randn(out_features) * 0.1):
+            screen = bf16_kernel.Screen.of(weight, bias)
+            whole = bf16_kernel.product(bf16_kernel.tile(weight), bias)
+            for scale in (1e-3, 1.0, 1e3):
+                x = torch.randn(rows, in_features) * scale
+                x[::2] += 4 * scale * weight[17].float()
+                x = x.bfloat16()
+                logits = whole(x).float()
+                for k in (1, 5, 50):
+                    columns, values = screen.top_k(x, k)
+                    kth = logits.topk(k).values[:, -1:]
+                    assert bool((columns[1:] > columns[:-1]).all()) and columns.numel() >= k
+                    kept = (logits >= kth).any(0).nonzero()[:, 0]
+                    assert bool(torch.isin(kept, columns).all()), (k, scale)
+                    assert torch.equal(values, logits[:, columns])
+            assert screen.top_k(x, 50, room=49) is None
+
+
+@pytest.mark.parametrize("isa", BUILDS)
 def test_the_screen_declines_what_it_cannot_bound(isa, built, monkeypatch):
     """No screen of a weight with a value not finite or of a shape the tiled product does not take; rows not finite
     are not chosen for (None), nor are rows of another size or dtype."""
@@ -1152,6 +1184,51 @@ def test_greedy_decoding_reads_the_lm_heads_screen_and_emits_the_same_tokens(arc
     monkeypatch.setattr(lean, "_SCREENS_CHECKED", {})
     monkeypatch.setattr(bf16_kernel.Screen, "__call__", lambda self, x: screened.append(x.shape[0]) or (
         real(self, x) + 1) % 256)
+    with pytest.warns(UserWarning, match="differed"):
+        assert torch.equal(run(), got)
+    assert len(screened) == 1 and list(lean._SCREENS_CHECKED.values()) == [False]
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_sampling_through_a_top_k_cut_reads_the_lm_heads_screen_and_draws_the_same_tokens(arch, monkeypatch):
+    """bf16, every product tiled, whole trees verified, seeded: sampling through a top-k cut (after a temperature,
+    with min-p after it) reads the lm_head screen's columns instead of the whole logits and draws the tokens the whole
+    logits give. A repetition penalty before the cut reads every logit: the screen is not asked. A screen whose first
+    columns in a process miss one the cut keeps is not used again, with a warning."""
+    import clover_hf.lean_layers as lean
+    from clover_hf import CostModel, DraftBudget
+
+    from .tiny import prompt, random_heads
+
+    screened = []
+    real = bf16_kernel.Screen.top_k
+    monkeypatch.setattr(bf16_kernel.Screen, "top_k", lambda self, x, k: screened.append(x.shape[0]) or real(self, x, k))
+    base = tiny_model(arch, dtype=torch.bfloat16, head_dim=32)
+    clover, _ = random_heads(base, lookup_tokens=3)
+    clover = clover.to(torch.bfloat16)
+    costs = CostModel.from_function(lambda rows, width: 10.0, draft_ms=0.0)  # the whole tree every step
+    costs.forms = {1 << k: TILED for k in range(9)}
+
+    def run(**kwargs):
+        torch.manual_seed(7)
+        return clover.generate(prompt(4), max_new_tokens=24, do_sample=True, temperature=0.8, top_k=6, min_p=0.02,
+                               budget=DraftBudget(costs=costs), **kwargs)
+
+    got = run()
+    assert len(screened) > 5 and max(screened) > 2 and clover.generation_stats.verified_per_step > 2
+    screened.clear()
+    monkeypatch.setattr(lean._ModelForward, "_top_k", lambda self, normed, k: None)
+    assert torch.equal(got, run()) and not screened
+    monkeypatch.undo()
+    monkeypatch.setattr(bf16_kernel.Screen, "top_k", lambda self, x, k: screened.append(x.shape[0]) or real(self, x, k))
+    run(repetition_penalty=1.3)
+    assert not screened
+
+    # a screen whose first columns in a process miss one the cut keeps is not used again, with a warning
+    monkeypatch.setattr(lean, "_SCREENS_CHECKED", {})
+    monkeypatch.setattr(bf16_kernel.Screen, "top_k", lambda self, x, k: screened.append(x.shape[0]) or tuple(
+        t[..., 1:] for t in real(self, x, k)))
     with pytest.warns(UserWarning, match="differed"):
         assert torch.equal(run(), got)
     assert len(screened) == 1 and list(lean._SCREENS_CHECKED.values()) == [False]

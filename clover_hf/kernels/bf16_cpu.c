@@ -1549,25 +1549,31 @@ static int screen_row(const uint16_t* x, int I, int most, int16_t* xq, float* st
     return 1;
 }
 
-/* out[r]: the argmax of row r of y (R x O) = x @ w.T (+ bias), x bf16 (R x I), w bf16 (O x I, rows one after
- * another), as `bf16_rows` computes y from w tiled: its first largest. wq: w as int8 in tiles (O/32, I/2, 32, 2),
- * column c being round(w_c / scales[c]); resid and norms as `screen_row` takes them; bias float32 or NULL. counts
- * (NULL or R ints): how many columns each row computed exactly. Returns 1 where memory ran out, 2 where x is not
- * finite (nothing chosen). */
-int bf16_screen_argmax(const uint16_t* x, int R, const int8_t* wq, const float* scales, const float* resid,
-                       const float* norms, const float* bias, const uint16_t* w, int I, int O, int64_t* out,
-                       int32_t* counts, int threads) {
+/* The columns of y = x @ w.T (+ bias) (R x O; x bf16 (R x I), w bf16 (O x I, rows one after another)) that may hold
+ * one of some row's k largest logits, as `bf16_rows` computes and rounds y from w tiled, and those columns of y. wq:
+ * w as int8 in tiles (O/32, I/2, 32, 2), column c being round(w_c / scales[c]); resid and norms as `screen_row` takes
+ * them; bias float32 or NULL. At least k columns of each row's lower bounds reach its k-th largest lower bound, so
+ * its k-th largest logit rounds to that bound's rounding or above, and so does the upper bound of every column that
+ * may reach it: those columns are taken. Into *cols (ascending) and *y (R x 32 * *tiles bf16, a row's columns in
+ * cols' order) their count *chosen, for the caller to free. counts (NULL or R ints): how many columns each row took.
+ * Returns 1 where memory ran out, 2 where x is not finite (nothing chosen). */
+static int screen_columns(const uint16_t* x, int R, const int8_t* wq, const float* scales, const float* resid,
+                          const float* norms, const float* bias, const uint16_t* w, int I, int O, int k,
+                          int32_t* counts, int threads, int** cols_out, uint16_t** y_out, int* tiles_out,
+                          int* chosen_out) {
     int pairs = I / 2, blocks = O / 32, most = quantize_most(I);
     threads = threads > 0 ? threads : 1;
     int16_t* xq = malloc(sizeof(int16_t) * (size_t)R * I);
-    float* per_row = malloc(sizeof(float) * (size_t)R * (3 + threads));
+    float* per_row = malloc(sizeof(float) * (size_t)R * (4 + threads));
     float* hi = malloc(sizeof(float) * (size_t)R * O);
+    float* lo_all = k > 1 ? malloc(sizeof(float) * (size_t)R * O) : NULL;  /* every lower bound, to rank them */
     uint8_t* pick = calloc((size_t)O, 1);
-    if (!xq || !per_row || !hi || !pick) {
-        free(xq), free(per_row), free(hi), free(pick);
+    if (!xq || !per_row || !hi || !pick || (k > 1 && !lo_all)) {
+        free(xq), free(per_row), free(hi), free(lo_all), free(pick);
         return 1;
     }
-    float *step = per_row, *coef = step + R, *lows = coef + 2 * (size_t)R;  /* lows: each thread's largest lower bounds */
+    float *step = per_row, *coef = step + R, *floors = coef + 2 * (size_t)R, *lows = floors + R;
+    /* lows: each thread's largest lower bounds; floors: each row's k-th largest lower bound */
     int status = most < 1 ? 2 : 0;
     for (int r = 0; r < R && !status; r++)
         if (!screen_row(x + (size_t)r * I, I, most, xq + (size_t)r * I, step + r, coef + 2 * r))
@@ -1608,6 +1614,8 @@ int bf16_screen_argmax(const uint16_t* x, int R, const int8_t* wq, const float* 
                     lo = _mm256_sub_ps(lo, _mm256_mul_ps(_mm256_andnot_ps(sign, lo), shift));
                     up = _mm256_add_ps(up, _mm256_mul_ps(_mm256_andnot_ps(sign, up), shift));
                     lo8 = _mm256_max_ps(lo8, lo);
+                    if (lo_all)
+                        _mm256_storeu_ps(lo_all + (size_t)r * O + c, lo);
                     _mm256_storeu_ps(h + j, bf16x8_widen(bf16x8(up)));  /* no logit under it rounds above this */
                 }
                 float l[8];
@@ -1617,14 +1625,26 @@ int bf16_screen_argmax(const uint16_t* x, int R, const int8_t* wq, const float* 
             }
         }
         #pragma omp barrier
-        for (int r = 0; r < R && sums && !status; r++) {
+        #pragma omp for
+        for (int r = 0; r < R; r++) {
             float m = -INFINITY;
-            for (int i = 0; i < omp_get_num_threads(); i++)
-                m = lows[(size_t)i * R + r] > m ? lows[(size_t)i * R + r] : m;
-            m = bf16_to_float(float_to_bf16(m));  /* the largest logit rounds to this or above */
+            if (status)
+                continue;
+            if (lo_all) {
+                if (kth_largest(lo_all + (size_t)r * O, O, k, &m)) {
+                    #pragma omp atomic write
+                    status = 1;
+                }
+            } else {
+                for (int i = 0; i < omp_get_num_threads(); i++)
+                    m = lows[(size_t)i * R + r] > m ? lows[(size_t)i * R + r] : m;
+            }
+            floors[r] = bf16_to_float(float_to_bf16(m));  /* the k-th largest logit rounds to this or above */
+        }
+        for (int r = 0; r < R && sums && !status; r++) {
             int n = 0;
             for (int c = 32 * b0; c < 32 * b1; c++)
-                if (hi[(size_t)r * O + c] >= m) {
+                if (hi[(size_t)r * O + c] >= floors[r]) {
                     pick[c] = 1;
                     n++;
                 }
@@ -1635,7 +1655,7 @@ int bf16_screen_argmax(const uint16_t* x, int R, const int8_t* wq, const float* 
         }
         free(sums);
     }
-    free(hi);
+    free(hi), free(lo_all);
     int chosen = 0;
     for (int c = 0; c < O && !status; c++)
         chosen += pick[c];
@@ -1649,33 +1669,80 @@ int bf16_screen_argmax(const uint16_t* x, int R, const int8_t* wq, const float* 
     if (!status && (!cols || !mini || (bias && !mini_bias) || !y))
         status = 1;
     if (!status) {
-        for (int c = 0, k = 0; c < O; c++) {
+        for (int c = 0, j = 0; c < O; c++) {
             if (!pick[c])
                 continue;
-            uint32_t* into = (uint32_t*)(mini + (size_t)(k / 32) * pairs * 64) + k % 32;
+            uint32_t* into = (uint32_t*)(mini + (size_t)(j / 32) * pairs * 64) + j % 32;
             const uint32_t* row = (const uint32_t*)(w + (size_t)c * I);  /* I even: a row's pairs are whole */
             for (int p = 0; p < pairs; p++)
                 into[(size_t)p * 32] = row[p];
             if (bias)
-                mini_bias[k] = bias[c];
-            cols[k++] = c;
+                mini_bias[j] = bias[c];
+            cols[j++] = c;
         }
         status = bf16_rows(x, mini, mini_bias, y, R, I, 32 * nt, 1);  /* the lm_head's own product, on few columns */
     }
-    for (int r = 0; r < R && !status; r++) {
+    free(xq), free(per_row), free(pick), free(mini), free(mini_bias);
+    if (status) {
+        free(cols), free(y);
+        return status;
+    }
+    *cols_out = cols, *y_out = y, *tiles_out = nt, *chosen_out = chosen;
+    return 0;
+}
+
+/* out[r]: the argmax of row r of y (R x O) = x @ w.T (+ bias) as `bf16_rows` computes y from w tiled: its first
+ * largest, among the columns `screen_columns` takes for k = 1 (arguments as it takes them). Returns 1 where memory ran
+ * out, 2 where x is not finite (nothing chosen). */
+int bf16_screen_argmax(const uint16_t* x, int R, const int8_t* wq, const float* scales, const float* resid,
+                       const float* norms, const float* bias, const uint16_t* w, int I, int O, int64_t* out,
+                       int32_t* counts, int threads) {
+    int *cols, nt, chosen;
+    uint16_t* y;
+    int status = screen_columns(x, R, wq, scales, resid, norms, bias, w, I, O, 1, counts, threads, &cols, &y, &nt,
+                                &chosen);
+    if (status)
+        return status;
+    for (int r = 0; r < R; r++) {
         int64_t best = -1;
         float top = -INFINITY;
-        for (int k = 0; k < chosen; k++) {
-            float v = bf16_to_float(y[(size_t)r * 32 * nt + k]);
+        for (int j = 0; j < chosen; j++) {
+            float v = bf16_to_float(y[(size_t)r * 32 * nt + j]);
             if (best < 0 || v > top) {
                 top = v;
-                best = cols[k];
+                best = cols[j];
             }
         }
         out[r] = best;
     }
-    free(xq), free(per_row), free(pick), free(cols), free(mini), free(mini_bias), free(y);
-    return status;
+    free(cols), free(y);
+    return 0;
+}
+
+/* The columns that may hold one of some row's k largest logits of y = x @ w.T (+ bias) (`screen_columns`, arguments
+ * as it takes them; 1 <= k <= O) into cols (ascending, at most `room`) and their logits into values (R x that many,
+ * float32, as `bf16_rows` rounds them). Returns how many columns, -1 where memory ran out, -2 where x is not finite,
+ * -3 where they are more than `room` (nothing written). */
+long bf16_screen_top_k(const uint16_t* x, int R, const int8_t* wq, const float* scales, const float* resid,
+                       const float* norms, const float* bias, const uint16_t* w, int I, int O, int k, int64_t* cols,
+                       float* values, long room, int32_t* counts, int threads) {
+    int *taken, nt, chosen;
+    uint16_t* y;
+    int status = screen_columns(x, R, wq, scales, resid, norms, bias, w, I, O, k, counts, threads, &taken, &y, &nt,
+                                &chosen);
+    if (status)
+        return -status;
+    if (chosen > room) {
+        free(taken), free(y);
+        return -3;
+    }
+    for (int j = 0; j < chosen; j++)
+        cols[j] = taken[j];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < chosen; j++)
+            values[(size_t)r * chosen + j] = bf16_to_float(y[(size_t)r * 32 * nt + j]);
+    free(taken), free(y);
+    return chosen;
 }
 
 /* int8 products for drafting, where the rows only rank tokens: y (R x O) = x (R x I) @ w.T (+ bias, float32) by int8
