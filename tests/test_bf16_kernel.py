@@ -1058,6 +1058,30 @@ def test_verify_forwards_of_changing_widths_look_each_widths_weights_up_once(isa
         assert g.shape == w.shape and torch.equal(g, w)
 
 
+def _weight_to_screen(out_features: int, in_features: int) -> torch.Tensor:
+    """A random bf16 weight whose rows 32-63 lie near row 17, apart by about the int8 copy's rounding (their logits are
+    ordered by what it rounds), rows 5, 17 and 40 tie exactly, and then one weight of row 40 is a last bit larger."""
+    weight = (torch.randn(out_features, in_features) * 0.2).bfloat16()
+    weight[32:64] = (weight[17].float() + 0.002 * torch.randn(32, in_features)).bfloat16()
+    weight[5] = weight[17] = weight[40]
+    weight[40, 3] = (weight[40, 3:4].view(torch.int16) + 1).view(torch.bfloat16)[0]
+    return weight
+
+
+def _screen_cases(rows: int, shapes):
+    """(screen, the tiled product, x) for weights of these shapes (`_weight_to_screen`), with and without a bias, and
+    bf16 rows x over six orders of magnitude, every other one leaning to rows 5, 17 and 40."""
+    for out_features, in_features in shapes:
+        weight = _weight_to_screen(out_features, in_features)
+        for bias in (None, torch.randn(out_features) * 0.1):
+            screen = bf16_kernel.Screen.of(weight, bias)
+            whole = bf16_kernel.product(bf16_kernel.tile(weight), bias)
+            for scale in (1e-3, 1.0, 1e3):
+                x = torch.randn(rows, in_features) * scale
+                x[::2] += 4 * scale * weight[17].float()
+                yield screen, whole, x.bfloat16()
+
+
 @pytest.mark.parametrize("isa", BUILDS)
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 9, 14])
 def test_the_lm_heads_screen_chooses_the_argmax_of_the_tiled_products_logits(isa, rows, built, monkeypatch):
@@ -1068,24 +1092,13 @@ def test_the_lm_heads_screen_chooses_the_argmax_of_the_tiled_products_logits(isa
     row exactly."""
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     torch.manual_seed(rows)
-    for out_features, in_features in ((64, 32), (256, 96), (1024, 576)):
-        weight = (torch.randn(out_features, in_features) * 0.2).bfloat16()
-        # rows 32-63 near row 17, apart by about the int8 copy's rounding: their logits are ordered by what it rounds
-        weight[32:64] = (weight[17].float() + 0.002 * torch.randn(32, in_features)).bfloat16()
-        weight[5] = weight[17] = weight[40]  # an exact tie; then one weight of row 40 a last bit larger
-        weight[40, 3] = (weight[40, 3:4].view(torch.int16) + 1).view(torch.bfloat16)[0]
-        for bias in (None, torch.randn(out_features) * 0.1):
-            screen = bf16_kernel.Screen.of(weight, bias)
-            whole = bf16_kernel.product(bf16_kernel.tile(weight), bias)
-            for scale in (1e-3, 1.0, 1e3):
-                x = torch.randn(rows, in_features) * scale
-                x[::2] += 4 * scale * weight[17].float()  # these rows lean to rows 5, 17 and 40
-                x = x.bfloat16()
-                assert torch.equal(screen(x), whole(x).float().argmax(-1))
-                assert screen.counts.shape == (rows,) and (screen.counts >= 1).all()
-                if out_features == 1024:
-                    assert screen.counts.float().mean() < 40
-            assert screen.nbytes() == out_features * in_features + 3 * 4 * out_features
+    for screen, whole, x in _screen_cases(rows, ((64, 32), (256, 96), (1024, 576))):
+        assert torch.equal(screen(x), whole(x).float().argmax(-1))
+        assert screen.counts.shape == (rows,) and (screen.counts >= 1).all()
+        out_features, in_features = screen.weight.shape
+        if out_features == 1024:
+            assert screen.counts.float().mean() < 40
+        assert screen.nbytes() == out_features * in_features + 3 * 4 * out_features
 
 
 @pytest.mark.parametrize("isa", BUILDS)
@@ -1097,27 +1110,16 @@ def test_the_lm_heads_screen_takes_every_column_of_the_top_k(isa, rows, built, m
     short of the weights' rounding misses columns of this test. Where more columns would be taken than `room`, none."""
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     torch.manual_seed(rows)
-    for out_features, in_features in ((64, 32), (1024, 576)):
-        weight = (torch.randn(out_features, in_features) * 0.2).bfloat16()
-        weight[32:64] = (weight[17].float() + 0.002 * torch.randn(32, in_features)).bfloat16()
-        weight[5] = weight[17] = weight[40]
-        weight[40, 3] = (weight[40, 3:4].view(torch.int16) + 1).view(torch.bfloat16)[0]
-        for bias in (None, torch.randn(out_features) * 0.1):
-            screen = bf16_kernel.Screen.of(weight, bias)
-            whole = bf16_kernel.product(bf16_kernel.tile(weight), bias)
-            for scale in (1e-3, 1.0, 1e3):
-                x = torch.randn(rows, in_features) * scale
-                x[::2] += 4 * scale * weight[17].float()
-                x = x.bfloat16()
-                logits = whole(x).float()
-                for k in (1, 5, 50):
-                    columns, values = screen.top_k(x, k)
-                    kth = logits.topk(k).values[:, -1:]
-                    assert bool((columns[1:] > columns[:-1]).all()) and columns.numel() >= k
-                    kept = (logits >= kth).any(0).nonzero()[:, 0]
-                    assert bool(torch.isin(kept, columns).all()), (k, scale)
-                    assert torch.equal(values, logits[:, columns])
-            assert screen.top_k(x, 50, room=49) is None
+    for screen, whole, x in _screen_cases(rows, ((64, 32), (1024, 576))):
+        logits = whole(x).float()
+        for k in (1, 5, 50):
+            columns, values = screen.top_k(x, k)
+            kth = logits.topk(k).values[:, -1:]
+            assert bool((columns[1:] > columns[:-1]).all()) and columns.numel() >= k
+            kept = (logits >= kth).any(0).nonzero()[:, 0]
+            assert bool(torch.isin(kept, columns).all()), k
+            assert torch.equal(values, logits[:, columns])
+        assert screen.top_k(x, 50, room=49) is None
 
 
 @pytest.mark.parametrize("isa", BUILDS)
