@@ -428,7 +428,7 @@ def _accept_rows(rows: list[Row], drafts: list[Draft], logits: torch.Tensor | No
                 bonus = ids[bonus]
             elif columns is not None:  # the whole logits are not at hand, and these hold a NaN: no distribution
                 raise RuntimeError("clover-hf: the base's logits hold a NaN, so there is no distribution to sample "
-                                   "from (its weights or activations overflowed; try float32 or bfloat16)")
+                                   "from (the model's weights or activations are not finite)")
             else:
                 scores = process_tree_logits(logits[b, :n], row.emitter.input_ids, tokens, tree, logits_processor)
                 nodes, bonus = accept_sampled(tokens, scores.softmax(-1), tree, uniforms, host)

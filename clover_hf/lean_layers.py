@@ -299,7 +299,7 @@ class _ModelForward:
         """(float32 logits, last hidden states: before the final norm with `pre_norm`, None), or None (nothing done).
         With `greedy`, where the lm_head's screen serves (`_greedy`): (None, hidden states, each token's argmax). With
         `top_k`, where it serves (`_top_k`): (logits (B, T, C) at columns (C,) alone, hidden states, None, columns),
-        every logit at least its token's k-th largest among them."""
+        the columns holding every logit at least its token's k-th largest."""
         if self.causal_mask is None or _MODELS_CHECKED.get(self.key) is False or any(
                 part._forward_hooks or part._forward_pre_hooks for part in self.parts):
             return None

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clover_hf import bf16_kernel
+from clover_hf import bf16_kernel, decoding
 from clover_hf.linears import TILED, WeightCopies, form_linear, linear_forms, make_copy
 
 from .tiny import tiny_model
@@ -1234,6 +1234,13 @@ def test_sampling_through_a_top_k_cut_reads_the_lm_heads_screen_and_draws_the_sa
     with pytest.warns(UserWarning, match="differed"):
         assert torch.equal(run(), got)
     assert len(screened) == 1 and list(lean._SCREENS_CHECKED.values()) == [False]
+
+    # columns whose logits hold a NaN leave nothing to sample from: an error, not a draw from the whole logits
+    monkeypatch.setattr(lean, "_SCREENS_CHECKED", {})
+    monkeypatch.setattr(bf16_kernel.Screen, "top_k", real)
+    monkeypatch.setattr(decoding, "sample_columns", lambda *args: None)
+    with pytest.raises(RuntimeError, match="NaN"):
+        run()
 
 
 @pytest.mark.parametrize("isa", BUILDS)
