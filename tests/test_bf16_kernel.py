@@ -1243,6 +1243,36 @@ def test_sampling_through_a_top_k_cut_reads_the_lm_heads_screen_and_draws_the_sa
         run()
 
 
+@needs_kernel
+def test_batched_sampling_through_the_screen_draws_what_the_whole_logits_draw(monkeypatch):
+    """A batch's rows share the screen's columns (those any of its tokens may take): seeded, two rows sampled through
+    a top-k cut draw the tokens the whole logits give."""
+    import clover_hf.lean_layers as lean
+    from clover_hf import CostModel, DraftBudget
+
+    from .tiny import prompt, random_heads
+
+    screened = []
+    real = bf16_kernel.Screen.top_k
+    monkeypatch.setattr(bf16_kernel.Screen, "top_k", lambda self, x, k: screened.append(x.shape[0]) or real(self, x, k))
+    base = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
+    clover, _ = random_heads(base, lookup_tokens=3)
+    clover = clover.to(torch.bfloat16)
+    costs = CostModel.from_function(lambda rows, width: 10.0, draft_ms=0.0)
+    costs.forms = {1 << k: TILED for k in range(9)}
+    ids = torch.cat([prompt(4), prompt(5)])
+
+    def run():
+        torch.manual_seed(7)
+        return clover.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=True,
+                               temperature=0.8, top_k=6, pad_token_id=0, budget=DraftBudget(costs=costs))
+
+    got = run()
+    assert screened and max(screened) > 2  # rows of both texts, several tokens each
+    monkeypatch.setattr(lean._ModelForward, "_top_k", lambda self, normed, k: None)
+    assert torch.equal(got, run())
+
+
 @pytest.mark.parametrize("isa", BUILDS)
 def test_the_screens_int8_copy_and_norms_bound_what_they_claim(isa, built, monkeypatch):
     """Each column's int8 weights (tiled as the screen reads them) are w / scale rounded (w times 1 / scale in float32:
