@@ -210,7 +210,8 @@ def clover_generate(
     # greedy decoding that reads no logits but each node's argmax
     greedy = not sample and not logits_processor and unread
     # sampling through a top-k cut, on the CPU: each node's distribution over the tokens the cut keeps
-    cut = TopKCut.of(logits_processor) if sample and unread and device.type == "cpu" else None
+    cut = TopKCut.of(logits_processor, getattr(model.get_output_embeddings(), "out_features", None)) if (
+        sample and unread and device.type == "cpu") else None
     verify = VerifyForward(model, pre_norm, compile_settings(model, generation_config, prepared), greedy,
                            cut.k if cut is not None and cut.screens else None)
     plan = _plan(model, clover_heads, input_ids.shape[0], generation_config, stopping_criteria, clover_tree,

@@ -1195,8 +1195,8 @@ def test_greedy_decoding_reads_the_lm_heads_screen_and_emits_the_same_tokens(arc
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_sampling_through_a_top_k_cut_reads_the_lm_heads_screen_and_draws_the_same_tokens(arch, monkeypatch):
     """bf16, every product tiled, whole trees verified, seeded: sampling through a top-k cut (after a temperature,
-    with min-p after it) reads the lm_head screen's columns instead of the whole logits and draws the tokens the whole
-    logits give. A repetition penalty before the cut reads every logit: the screen is not asked. A screen whose first
+    with top-p and min-p after it) reads the lm_head screen's columns instead of the whole logits and draws the tokens
+    the whole logits give. A repetition penalty before the cut reads every logit: the screen is not asked. A screen whose first
     columns in a process miss one the cut keeps is not used again, with a warning."""
     import clover_hf.lean_layers as lean
     from clover_hf import CostModel, DraftBudget
@@ -1214,8 +1214,8 @@ def test_sampling_through_a_top_k_cut_reads_the_lm_heads_screen_and_draws_the_sa
 
     def run(**kwargs):
         torch.manual_seed(7)
-        return clover.generate(prompt(4), max_new_tokens=24, do_sample=True, temperature=0.8, top_k=6, min_p=0.02,
-                               budget=DraftBudget(costs=costs), **kwargs)
+        return clover.generate(prompt(4), max_new_tokens=24, do_sample=True, temperature=0.8, top_k=6, top_p=0.9,
+                               min_p=0.02, budget=DraftBudget(costs=costs), **kwargs)
 
     got = run()
     assert len(screened) > 5 and max(screened) > 2 and clover.generation_stats.verified_per_step > 2

@@ -285,6 +285,9 @@ CUT_PROCESSORS = {
     "penalty, top-k, min-p": lambda: [RepetitionPenaltyLogitsProcessor(1.3), TemperatureLogitsWarper(0.8),
                                       TopKLogitsWarper(10), MinPLogitsWarper(0.05)],
     "two cuts, temperature between": lambda: [TopKLogitsWarper(8), TemperatureLogitsWarper(0.5), TopKLogitsWarper(3)],
+    "temperature, top-k, top-p": lambda: [TemperatureLogitsWarper(0.7), TopKLogitsWarper(50), TopPLogitsWarper(0.9)],
+    "top-k, top-p keeping 3, min-p": lambda: [TopKLogitsWarper(40), TopPLogitsWarper(0.5, min_tokens_to_keep=3),
+                                              MinPLogitsWarper(0.05)],
 }
 
 
@@ -316,13 +319,17 @@ def test_sample_columns_is_the_whole_distribution(name, kernel, monkeypatch):
 
 
 def test_a_top_k_cut_serves_only_processors_it_keeps_exact():
-    """The cut serves a first top-k warper (anything before it) followed by temperature, top-k or min-p warpers
-    that fill -inf; not top-p (which of equal scores it removes follows an unstable sort over the whole row),
-    another filter value, min-p keeping more than one token, or any other processor after the cut."""
+    """The cut serves a first top-k warper (anything before it) followed by temperature, top-k, top-p or min-p
+    warpers that fill -inf; not another filter value, min-p keeping more than one token, or any other processor after
+    the cut. Its columns alone stand for the logits (`screens`) given the vocabulary, no processor before it but a
+    temperature, and k up to 256."""
     cut = TopKCut.of(LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.2), TemperatureLogitsWarper(0.7),
                                           TopKLogitsWarper(40), MinPLogitsWarper(0.1)]))
-    assert cut is not None and cut.k == 40 and len(cut.before) == 2 and len(cut.after) == 1
-    for declined in ([TemperatureLogitsWarper(0.7)], [TopKLogitsWarper(40), TopPLogitsWarper(0.9)],
+    assert cut is not None and cut.k == 40 and len(cut.before) == 2 and len(cut.after) == 1 and not cut.screens
+    tempered = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(40), TopPLogitsWarper(0.9)]
+    assert TopKCut.of(LogitsProcessorList(tempered), 1000).screens and not TopKCut.of(LogitsProcessorList(tempered)).screens
+    assert not TopKCut.of(LogitsProcessorList([TopKLogitsWarper(300)]), 1000).screens
+    for declined in ([TemperatureLogitsWarper(0.7)], [TopKLogitsWarper(40), TopPLogitsWarper(0.9, filter_value=-1e4)],
                      [TopKLogitsWarper(40, filter_value=-1e4)], [TopKLogitsWarper(40), MinPLogitsWarper(0.1, min_tokens_to_keep=2)],
                      [TopKLogitsWarper(40), RepetitionPenaltyLogitsProcessor(1.2)], []):
         assert TopKCut.of(LogitsProcessorList(declined)) is None, declined
@@ -362,7 +369,7 @@ def test_sampling_through_the_cut_draws_what_the_whole_distribution_draws(arch, 
     runs = []
     for cut in (True, False):
         if not cut:
-            monkeypatch.setattr(decoding.TopKCut, "of", classmethod(lambda cls, processors: None))
+            monkeypatch.setattr(decoding.TopKCut, "of", classmethod(lambda cls, *args: None))
         served.clear()
         torch.manual_seed(3)
         runs.append(clover.generate(ids, **settings))
@@ -395,3 +402,32 @@ def test_the_walk_on_the_host_is_the_walk_in_tensors():
         for given in (None, parents):
             nodes, token = accept_sampled(tokens, probs, tree, uniforms, given)
             assert torch.equal(nodes, want[0]) and int(token) == int(want[1]), trial
+
+
+def test_top_p_over_a_cuts_columns_is_top_p_over_the_whole_rows(monkeypatch):
+    """Top-p over the columns a top-k cut keeps removes what it removes over the whole rows, exactly: where equal
+    scores straddle its cut, or a cumulative probability lies near its bound, it runs over the whole rows made of
+    those columns (both happen over these tie-heavy rows)."""
+    from clover_hf import verification
+
+    wholes = []
+    real = TopPLogitsWarper.__call__
+    monkeypatch.setattr(TopPLogitsWarper, "__call__", lambda self, ids, scores: wholes.append(scores.shape[1]) or
+                        real(self, ids, scores))
+    g = torch.Generator().manual_seed(4)
+    fast = 0
+    for trial in range(300):
+        vocab = 2000
+        scores = (torch.randn(3, vocab, generator=g) * 2).bfloat16().float()
+        kth = scores.topk(30).values[:, -1:]
+        cut = scores.masked_fill(scores < kth, -float("inf"))
+        columns = (cut > -float("inf")).any(0).nonzero()[:, 0]
+        warper = TopPLogitsWarper([0.3, 0.6, 0.9, 0.95][trial % 4], min_tokens_to_keep=1 + trial % 3)
+        texts = torch.zeros(3, 1, dtype=torch.long)
+        wholes.clear()
+        got = verification._top_p_of_kept(cut[:, columns], warper, texts, columns, vocab)
+        want = real(warper, texts, cut)
+        assert torch.equal(got, want[:, columns]) and not (want > -float("inf"))[:, ~torch.isin(
+            torch.arange(vocab), columns)].any(), trial
+        fast += not wholes
+    assert 0 < fast < 300  # both ways ran
