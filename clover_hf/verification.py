@@ -319,17 +319,25 @@ def accept_greedy(
     rows = [tokens, targets.to(tokens.dtype)] + ([] if parents is not None else [tree.parents.to(tokens.dtype)])
     drafted, chosen, *read = torch.stack(rows).tolist()
     parents = read[0] if parents is None else parents
+    passed = [True] + [drafted[node] == chosen[parents[node]] for node in range(1, len(parents))]
+    path = _deepest_on_host(parents, passed)
+    return torch.tensor(path, device=tokens.device), targets[path[-1]]
+
+
+def _deepest_on_host(parents: list[int], passed: list[bool]) -> list[int]:
+    """The path (root first) to the first of the deepest nodes whose every node from the root `passed` (nodes sorted
+    by depth, so a parent comes first; the root passes)."""
     on_path, depths, last = [True], [0], 0
     for node in range(1, len(parents)):
         parent = parents[node]
-        on_path.append(on_path[parent] and drafted[node] == chosen[parent])
+        on_path.append(on_path[parent] and passed[node])
         depths.append(depths[parent] + 1)
         if on_path[node] and depths[node] > depths[last]:  # the first of the deepest, as an argmax picks
             last = node
     path = [last]
     while path[-1]:
         path.append(parents[path[-1]])
-    return torch.tensor(path[::-1], device=tokens.device), targets[last]
+    return path[::-1]
 
 
 def _deepest_path(passed: torch.Tensor, tree: TreeBuffers | StepTree) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,23 +398,14 @@ def _walk_on_host(tokens: torch.Tensor, probs: torch.Tensor, tree: TreeBuffers |
             chosen[node], tried[parent] = True, None
         else:
             tried[parent] = done + mass[node - 1]
-    on_path, depths, last = [True], [0], 0
-    for node in range(1, n):
-        parent = parents[node]
-        on_path.append(on_path[parent] and chosen[first[node]])  # a repeat stands or falls with its first
-        depths.append(depths[parent] + 1)
-        if on_path[node] and depths[node] > depths[last]:  # the first of the deepest
-            last = node
-    path = [last]
-    while path[-1]:
-        path.append(parents[path[-1]])
-    last = first[last]
+    path = _deepest_on_host(parents, [chosen[first[node]] for node in range(n)])  # a repeat falls with its first
+    last = first[path[-1]]
     rejected = [drafted[node] for node in children if below[node] == last]  # every child of the last was tried
     residual = probs[last]
     if rejected:
         cut = residual.index_fill(0, torch.tensor(rejected), 0.0)
         residual = cut if bool(cut.sum() > 0) else residual  # rounding guard
-    return torch.tensor(path[::-1]), sample_token(residual, uniforms[0])  # the root's draw: no acceptance uses it
+    return torch.tensor(path), sample_token(residual, uniforms[0])  # the root's draw: no acceptance uses it
 
 
 def _walk_in_tensors(tokens: torch.Tensor, probs: torch.Tensor, tree: TreeBuffers | StepTree, uniforms: torch.Tensor
