@@ -343,40 +343,39 @@ class _ModelForward:
         """Each token's greedy choice (B, T) from the lm_head's screen (`bf16_kernel.Screen`), the argmax of the
         logits the lm_head computes, where it computes these rows by the kernel's tiled product; else None. Its first
         choices in a process are checked against the whole logits' argmax."""
-        rows = normed.shape[0] * normed.shape[1]
-        if _SCREENS_CHECKED.get(self.key) is False:
-            return None
-        screen = self.screens.get(self.model.lm_head.forward, rows, self._screen)
-        targets = None if screen is None else screen(normed.reshape(rows, -1))
-        if targets is None:
-            return None
-        if self.key not in _SCREENS_CHECKED:
-            whole = self.model.lm_head(normed).float().reshape(rows, -1).argmax(-1)
-            _SCREENS_CHECKED[self.key] = torch.equal(whole, targets)
-            if not _SCREENS_CHECKED[self.key]:
-                warnings.warn(f"clover-hf's greedy choice from {type(self.model).__name__}'s lm_head screen differed "
-                              "from its logits' argmax; the logits are computed whole from now on (slower)",
-                              stacklevel=3)
-                return None
-        return targets.view(normed.shape[:2])
+        targets = self._screened(self.key, normed, lambda screen, x: screen(x),
+                                 lambda whole, targets: torch.equal(whole.argmax(-1), targets),
+                                 "greedy choice", "its logits' argmax")
+        return None if targets is None else targets.view(normed.shape[:2])
 
     def _top_k(self, normed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(columns (C,), their logits (rows, C)) of the lm_head's screen (`bf16_kernel.Screen.top_k`), every logit at
         least its row's k-th largest among them, where it computes these rows by the kernel's tiled product; else None.
         Its first columns in a process are checked against the whole logits."""
-        rows, key = normed.shape[0] * normed.shape[1], (*self.key, "top-k")
+
+        def agrees(whole: torch.Tensor, made: tuple[torch.Tensor, torch.Tensor]) -> bool:
+            kept = (whole >= whole.topk(k).values[:, -1:]).any(0).nonzero()[:, 0]
+            return bool(torch.isin(kept, made[0]).all()) and torch.equal(whole[:, made[0]], made[1])
+
+        return self._screened((*self.key, "top-k"), normed, lambda screen, x: screen.top_k(x, k), agrees,
+                              "top-k columns", "its logits'")
+
+    def _screened(self, key: tuple, normed: torch.Tensor, ask: Callable, agrees: Callable, what: str, against: str):
+        """What `ask(screen, rows)` gives of the lm_head's screen for the rows of `normed`, where the lm_head computes
+        them by the kernel's tiled product and its screen has not disagreed under `key`; else None. Its first answer
+        in a process is checked by `agrees(whole float32 logits (rows, V), answer)`: where that fails, it warns (the
+        screen's `what` differed from `against`) and the logits are computed whole from then on."""
+        rows = normed.shape[0] * normed.shape[1]
         if _SCREENS_CHECKED.get(key) is False:
             return None
         screen = self.screens.get(self.model.lm_head.forward, rows, self._screen)
-        made = None if screen is None else screen.top_k(normed.reshape(rows, -1), k)
+        made = None if screen is None else ask(screen, normed.reshape(rows, -1))
         if made is None or key in _SCREENS_CHECKED:
             return made
-        whole = self.model.lm_head(normed).float().reshape(rows, -1)
-        kept = (whole >= whole.topk(k).values[:, -1:]).any(0).nonzero()[:, 0]
-        _SCREENS_CHECKED[key] = bool(torch.isin(kept, made[0]).all()) and torch.equal(whole[:, made[0]], made[1])
+        _SCREENS_CHECKED[key] = agrees(self.model.lm_head(normed).float().reshape(rows, -1), made)
         if not _SCREENS_CHECKED[key]:
-            warnings.warn(f"clover-hf's top-k columns from {type(self.model).__name__}'s lm_head screen differed from "
-                          "its logits'; the logits are computed whole from now on (slower)", stacklevel=3)
+            warnings.warn(f"clover-hf's {what} from {type(self.model).__name__}'s lm_head screen differed from "
+                          f"{against}; the logits are computed whole from now on (slower)", stacklevel=4)
             return None
         return made
 
