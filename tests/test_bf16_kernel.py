@@ -356,11 +356,15 @@ def _attention_in_float64(query, key, value, mask, scale):
 def test_the_kernels_attention_is_as_close_to_float64_as_sdpas(isa, mask_dtype, built, monkeypatch):
     """Queries of a few tokens over shared key/value heads (GQA, and one head each), key counts that are and are not
     multiples of 8 and 16, more query rows than one pass takes, two rows, head sizes 32-128, additive masks in bf16 and
-    float32 (blocked entries at bf16's lowest and at -inf) or none: within what SDPA's bf16 result is of float64."""
+    float32 (blocked entries at bf16's lowest and at -inf) or none: within what SDPA's bf16 result is of float64. Also
+    head sizes of 16 and 48, which a whole decoder layer's call attends with (`DecoderLayer`), though `attention` leaves
+    them to SDPA: the AVX-512 build lays out keys 16 pairs at a time."""
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(bf16_kernel, "ATTENTION_DIMS", range(16, 257, 16))
     torch.manual_seed(0)
     for batch, heads, kv_heads, tokens, keys, dim in ((1, 9, 3, 1, 150, 64), (1, 9, 3, 8, 151, 64), (1, 9, 3, 20, 300, 64),
-                                                      (2, 4, 2, 5, 37, 32), (1, 8, 8, 3, 17, 128), (1, 2, 1, 1, 1, 64)):
+                                                      (2, 4, 2, 5, 37, 32), (1, 8, 8, 3, 17, 128), (1, 2, 1, 1, 1, 64),
+                                                      (1, 4, 2, 3, 150, 16), (1, 9, 3, 1, 200, 48)):
         query = torch.randn(batch, heads, tokens, dim).to(torch.bfloat16)
         key, value = (torch.randn(batch, kv_heads, keys, dim).to(torch.bfloat16) for _ in range(2))
         mask = None
@@ -380,8 +384,8 @@ def test_the_kernels_attention_is_as_close_to_float64_as_sdpas(isa, mask_dtype, 
 
 @pytest.mark.parametrize("isa", BUILDS)
 def test_the_kernels_attention_split_among_threads_is_as_close_to_float64(isa, built, monkeypatch):
-    """Where a head's rows are fewer than the threads could share (one token's few key/value heads), the AVX2 build
-    splits their keys among threads and merges the parts: two to eight parts, a part whose keys are all masked,
+    """Where a head's rows are fewer than the threads could share (one token's few key/value heads), each build
+    splits their keys among threads (the AVX-512 build at multiples of 16 keys) and merges the parts: two to eight parts, a part whose keys are all masked,
     rows in blocks of 4 and fewer; as close to float64 as one thread's single pass, and within a bf16 step of it."""
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     torch.manual_seed(0)
