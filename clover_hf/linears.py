@@ -823,7 +823,8 @@ def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: Weight
     if copies is not None and kind is not None:
         groups = shared_input_groups(models)
         units = _units(models, copies.apart, groups)
-        if trials is None:
+        if trials is None or trials.ready():  # ready trials: the forms' copies are made but for layers no call ran
+            # yet (Clover's heads, after a first call of one-token steps), which get theirs now, as without trials
             copies.prepare_units(units, kind)
         else:  # the trials make them as the call can afford them, but the layers of a group seen taking other
             # inputs get their own now (else they computed without copies while trials lived: Clover's input
