@@ -642,20 +642,6 @@ static void attend_part(const uint16_t* const* q_at, const void* const* mask_at,
     }
 }
 
-/* As `attend_part` over all K keys, each row's weighted values divided by its total into `o_at[r]` (bf16) */
-static void attend_rows(const uint16_t* const* q_at, const void* const* mask_at, int mask_bf16, uint16_t* const* o_at,
-                        int n, const uint16_t* k, const uint32_t* kt, const uint16_t* v, int K, int D, float scale,
-                        float* scratch) {
-    float *most = scratch + SCRATCH(K, D) - PARTIAL(D), *total = most + ATT_ROWS, *sums = total + ATT_ROWS;
-    attend_part(q_at, mask_at, mask_bf16, n, k, kt, v, 0, K, D, scale, scratch, most, total, sums);
-    for (int r = 0; r < n; r++) {
-        __m512 inv = _mm512_set1_ps(1.0f / total[r]);
-        for (int d = 0; d < D; d += 16)
-            _mm256_storeu_si256((__m256i*)(o_at[r] + d),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(sums + (size_t)r * D + d), inv)));
-    }
-}
-
 #define lay_out_keys transpose_keys
 
 #else
@@ -784,6 +770,13 @@ static void attend_part(const uint16_t* const* q_at, const void* const* mask_at,
     weigh_values(scores, stride, sums, n, v + (size_t)k0 * D, K, D);
 }
 
+#define KEY_LAYOUT(K, D) ((size_t)0)  /* the keys are read as they lie */
+static void lay_out_keys(const uint16_t* k, uint32_t* kt, int K, int D, int b0, int b1) {
+    (void)k, (void)kt, (void)K, (void)D, (void)b0, (void)b1;
+}
+
+#endif
+
 /* As `attend_part` over all K keys, each row's weighted values divided by its total into `o_at[r]` (bf16) */
 static void attend_rows(const uint16_t* const* q_at, const void* const* mask_at, int mask_bf16, uint16_t* const* o_at,
                         int n, const uint16_t* k, const uint32_t* kt, const uint16_t* v, int K, int D, float scale,
@@ -796,12 +789,6 @@ static void attend_rows(const uint16_t* const* q_at, const void* const* mask_at,
             _mm_storeu_si128((__m128i*)(o_at[r] + d), bf16x8(_mm256_mul_ps(_mm256_loadu_ps(sums + (size_t)r * D + d), inv)));
     }
 }
-#define KEY_LAYOUT(K, D) ((size_t)0)  /* the keys are read as they lie */
-static void lay_out_keys(const uint16_t* k, uint32_t* kt, int K, int D, int b0, int b1) {
-    (void)k, (void)kt, (void)K, (void)D, (void)b0, (void)b1;
-}
-
-#endif
 
 #ifndef PART_ALIGN
 #define PART_ALIGN 1
