@@ -53,4 +53,4 @@ __all__ = [
     "DynamicTree",
     "clover_generate",
 ]
-__version__ = "0.33.2"
+__version__ = "0.33.3"
