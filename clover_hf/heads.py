@@ -21,7 +21,7 @@ from . import bf16_kernel
 from .base_parts import decoder_layers, rms_final_norm
 from .cache import GrowingLayer
 from .config import CloverConfig
-from .linears import COPIES, BlockMemo, LinearForms, form_for, form_linear, kernel_weights, layer_weights, make_copy
+from .linears import BlockMemo, LinearForms, kernel_weights, layer_weights, linear, make_copy
 from .packing import document_ids
 from .quantized import dense, plain, readable
 
@@ -349,9 +349,7 @@ class DraftLMHead:
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.scales is None:
-            x = hidden.to(self.weight.dtype)
-            form = form_for(self.forms, x.numel() // x.shape[-1] if x.dim() >= 2 else 1)
-            return form_linear(x, self.weight, self.bias, form, self._copy(form))
+            return linear(hidden.to(self.weight.dtype), self.weight, self.bias, self.forms, self._copy)
         if self.kernel is not None and hidden.dtype == torch.bfloat16 and hidden.is_cpu:
             return self.kernel(hidden)
         x = hidden.to(self.scales.dtype).reshape(-1, hidden.shape[-1]).contiguous()
@@ -360,11 +358,9 @@ class DraftLMHead:
         return out if self.bias is None else out + self.bias
 
     def _copy(self, form: str) -> torch.Tensor | None:
-        """The rows' copy for `form`, where it computes from one (as the forms' layers do from theirs): without one, a
+        """The rows' copy for `form`, a form that computes from one (as the forms' layers do from theirs): without one, a
         copy form computes in F.linear, which took 5.6 ms for 3 rows of SmolLM2's 8,192 draft rows in float32 against
         0.21 from oneDNN's blocked copy (AVX-512-bf16 EPYC, Zen 4), most of a drafting step."""
-        if form not in COPIES:
-            return None
         if form not in self.copies:
             with torch.inference_mode(False):  # kept past the call that makes it, as the rows are
                 self.copies[form] = make_copy(self.weight, form)

@@ -244,11 +244,13 @@ def form_for(forms: LinearForms, rows: int) -> str:
     return forms.get(min(1 << (max(rows, 1).bit_length() - 1), MAX_ROWS), LINEAR)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, forms: LinearForms) -> torch.Tensor:
-    """F.linear(x, weight, bias) in the form `forms` gives x's row count (a form that computes from a
-    weight copy computes without one: this weight is not a layer's)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, forms: LinearForms,
+           copy_for: Callable[[str], torch.Tensor | None] | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) in the form `forms` gives x's row count: a form that computes from a weight copy
+    computes from `copy_for(form)` (this weight is not a layer's, so `WeightCopies` keeps none), or without one."""
     rows = x.numel() // x.shape[-1] if x.dim() >= 2 else 1
-    return form_linear(x, weight, bias, form_for(forms, rows))
+    form = form_for(forms, rows)
+    return form_linear(x, weight, bias, form, copy_for(form) if copy_for is not None and form in COPIES else None)
 
 
 class WeightCopies:
