@@ -44,7 +44,7 @@ def built(tmp_path_factory):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 21])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_the_kernel_computes_the_product_to_bf16_rounding(isa, rows, with_bias, built, monkeypatch):
-    """Each build at every row count (rows go 8 or 4 at a time, fewer with sums split for more chains), odd
+    """Each build at every row count (rows go 14 or 4 at a time, fewer with sums split for more chains), odd
     and even numbers of input pairs, with and without a bias, and inputs of more than two dimensions."""
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     torch.manual_seed(rows)
