@@ -964,7 +964,8 @@ def test_verify_forwards_of_a_model_whose_layers_run_in_one_call_skip_its_python
     embedding, mask and rotary embedding, that call, the final norm and the lm_head by themselves (the model's lean
     forward), checked against the model's own forward at the first call (which then returns the own forward's output):
     logits, hidden states (after or before the final norm) and cache bitwise those of the model's own forwards, for a
-    tree of 3 tokens a row and a one-token step. Where the check fails its own forward runs from then on, with a
+    tree of 3 tokens a row and a one-token step (its rows padded but the first: the mask it skips where none are). Where
+    the check fails its own forward runs from then on, with a
     warning; so it does where the model has hooks."""
     import clover_hf.lean_layers as lean
     from clover_hf import verify_forward
@@ -989,12 +990,15 @@ def test_verify_forwards_of_a_model_whose_layers_run_in_one_call_skip_its_python
             model(ids[:, :6], cache=cache, use_cache=True)
             verify = verify_forward.VerifyForward(model, pre_norm)
             three = verify(ids[:, 6:9], mask, torch.arange(6, 9).expand(batch, 3), cache)
-            one = verify(ids[:, 9:], torch.ones(batch, 10, dtype=torch.long), torch.tensor([[9]]).expand(batch, 1), cache)
+            one_mask = torch.ones(batch, 10, dtype=torch.long)
+            one_mask[1:, :2] = 0  # other rows: padding, which one token must not see
+            one = verify(ids[:, 9:], one_mask, torch.tensor([[9]]).expand(batch, 1), cache)
             assert three.targets is None and one.targets is None  # logits asked for
         return [*three[:2], *one[:2], *(t for layer in cache.layers for t in (layer.keys, layer.values))]
 
     got = run()
-    assert ran == [True, True] and list(lean._MODELS_CHECKED.values()) == [True]
+    # a padded row's one-token mask (bool, as transformers makes it) is not one the kernel takes: the own forward runs
+    assert ran == [True, batch == 1] and list(lean._MODELS_CHECKED.values()) == [True]
     real_forward = verify_forward.model_forward
     monkeypatch.setattr(verify_forward, "model_forward", lambda model: None)
     want = run()
