@@ -714,7 +714,11 @@ class _Stacked:
     keeps the others' for them, as long as they are called with that same input. A member called with
     another input (an attention whose keys read other states than its queries) computes on its own,
     and so does the whole group from then on; `apart` remembers it, so later blocks keep the layers'
-    own copies."""
+    own copies. A member called while none of the first layer's outputs is kept (its product ran elsewhere:
+    the form trials time a row count's first products apart, and it can settle between a layer's q and k)
+    computes on its own without that verdict: taking it for another input had split SmolLM2's groups at
+    random in a process's first calls, and with them every later verify forward of the process out of the
+    decoder layers' one kernel call (one-token steps ~30% slower)."""
 
     def __init__(self, group: tuple[nn.Linear, ...], copy: torch.Tensor, bias: torch.Tensor | None,
                  apart: weakref.WeakSet) -> None:
@@ -731,10 +735,11 @@ class _Stacked:
         if layer is self.first:
             return self._split(x, form_linear(x, None, self.bias, form, self.copy))
         if x is self.input and id(layer) in self.outputs:
-            return self.outputs.pop(id(layer))
-        self.alone = True
-        self.apart.add(self.first)
-        self.input, self.outputs = None, {}
+            return self._take(id(layer))
+        if self.outputs:  # the first layer's product of another input waits for this member
+            self.alone = True
+            self.apart.add(self.first)
+            self.input, self.outputs = None, {}
         return form_linear(x, layer.weight, layer.bias, form)
 
     def _split(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -742,6 +747,13 @@ class _Stacked:
         parts = torch.split_with_sizes(out, self.sizes, -1)  # Tensor.split's Python wrapper took ~3 us more a call
         self.input, self.outputs = x, dict(zip(self.ids[1:], parts[1:]))
         return parts[0]
+
+    def _take(self, key: int) -> torch.Tensor:
+        """A member's kept output, handed over once; the input is let go with the last."""
+        out = self.outputs.pop(key)
+        if not self.outputs:
+            self.input = None
+        return out
 
     def member(self, layer: nn.Linear, form: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """`layer`'s product in `form`, as `__call__` computes it, with what can be looked up once bound."""
@@ -751,10 +763,8 @@ class _Stacked:
         key = id(layer)
 
         def sibling(x: torch.Tensor) -> torch.Tensor:
-            if x is self.input and not self.alone:
-                out = self.outputs.pop(key, None)
-                if out is not None:
-                    return out
+            if x is self.input and not self.alone and key in self.outputs:
+                return self._take(key)
             return self(layer, x, form)
 
         return sibling

@@ -612,3 +612,38 @@ def test_layers_no_call_ran_get_their_copies_once_the_trials_are_ready(monkeypat
         x = torch.randn(3, 64)
         torch.testing.assert_close(heads(x), torch.nn.functional.linear(
             torch.nn.functional.linear(x, heads[0].weight, heads[0].bias), heads[1].weight, heads[1].bias))
+
+
+def test_a_row_count_settling_between_a_groups_layers_leaves_the_group_stacked():
+    """A row count settles inside the product that completes its timings, which may be a decoder layer's q: its k
+    and v then compute in the settled form, from the group's stacked copy, though q's product ran in a trial form.
+    They compute on their own for that forward (exact), and the group is not taken for one whose members read other
+    inputs: that had split SmolLM2's q/k/v and gate/up groups at random in a process's first calls, and kept every
+    later verify forward of the process out of the decoder layers' one kernel call."""
+    torch.manual_seed(0)
+    model = tiny_model("llama")
+    attn = model.model.layers[0].self_attn
+    group = (attn.q_proj, attn.k_proj, attn.v_proj)
+    copies = WeightCopies(limit=10**9)
+    trials = FormTrials([model], copies, plain_row_s=0.050, clock=FakeClock(lambda rows, form: 0.0))
+    kind = trials.copy_kind
+    if kind is None:
+        pytest.skip("no weight copies on this machine")
+    copies.prepare_units(trials.units, kind)
+    trials.next_call()
+    x = torch.randn(1, 2, model.config.hidden_size)
+    with torch.no_grad(), linear_forms([model], trials.forms, copies, trials):
+        q = attn.q_proj(x)  # two rows pending: a trial form's product
+        trials.pending.discard(2)  # ... that settles them, as the product completing their timings does
+        trials.learnt.add(2)
+        trials.forms[2] = kind
+        k, v = attn.k_proj(x), attn.v_proj(x)
+    assert not copies.apart
+    for m, out in zip(group, (q, k, v)):
+        assert torch.allclose(out, torch.nn.functional.linear(x, m.weight, m.bias), atol=1e-5)
+    trials.next_call()
+    with torch.no_grad(), linear_forms([model], trials.forms, copies, trials):  # settled: one stacked product
+        assert copies.get_fused(group, kind) is not None
+        again = [m(x) for m in group]
+    assert not copies.apart
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(again, (q, k, v)))

@@ -620,6 +620,23 @@ def test_a_group_seen_taking_other_inputs_keeps_its_own_copies_from_then_on():
     assert copies.nbytes == copies_nbytes([model], "float32_copy")
 
 
+def test_a_member_called_before_its_groups_first_layer_computes_alone_and_keeps_the_group():
+    """A member called while none of its group's first-layer outputs waits (the first's product ran elsewhere, or
+    not yet) is no sign of another input: it computes on its own, and the group stays stacked for later calls."""
+
+    torch.manual_seed(0)
+    model, x = CrossAttentionProjections(), torch.randn(2, 8)
+    group = (model.q_proj, model.k_proj, model.v_proj)
+    copies = WeightCopies(limit=10**6)
+    with linear_forms([model], {1: "float32_copy", 2: "float32_copy"}, copies):
+        alone = model.k_proj(x)  # before q
+        together = [m(x) for m in group]
+    assert not copies.apart and copies.get_fused(group, "float32_copy") is not None
+    assert torch.allclose(alone, F.linear(x, model.k_proj.weight, model.k_proj.bias), atol=1e-6)
+    assert all(torch.allclose(out, F.linear(x, m.weight, m.bias), atol=1e-6)
+               for m, out in zip(group, together))
+
+
 def test_a_block_memo_keeps_what_holds_all_block_and_forgets_it_when_another_block_binds():
     """Weights looked up by row count are kept while the same forwards are bound, for the row counts up to their
     `steady_rows`; past them, and for nothing found, looked up every time; another block's forwards start afresh."""
