@@ -40,6 +40,16 @@ def fake_products(monkeypatch, clock: FakeClock) -> list[tuple[int, str]]:
     return done
 
 
+def copying_trials(model) -> tuple[WeightCopies, FormTrials, str]:
+    """The model's form trials on a clock that stands still, with room for every weight copy, and their copy form;
+    skips the test where this machine makes no weight copies."""
+    copies = WeightCopies(limit=10**9)
+    trials = FormTrials([model], copies, plain_row_s=0.050, clock=FakeClock(lambda rows, form: 0.0))
+    if trials.copy_kind is None:
+        pytest.skip("no weight copies on this machine")
+    return copies, trials, trials.copy_kind
+
+
 def forward_rows(model, rows: int) -> None:
     """One forward of the model over `rows` tokens (a prefill)."""
     with torch.no_grad():
@@ -563,11 +573,7 @@ def test_a_group_seen_taking_other_inputs_gets_its_own_copies_while_trials_live(
     model, x, states = CrossAttentionProjections(), torch.randn(2, 8), torch.randn(2, 8)
     ref = model(x, states)
     group = (model.q_proj, model.k_proj, model.v_proj)
-    copies = WeightCopies(limit=10**9)
-    trials = FormTrials([model], copies, plain_row_s=0.050, clock=FakeClock(lambda rows, form: 0.0))
-    kind = trials.copy_kind
-    if kind is None:
-        pytest.skip("no weight copies on this machine")
+    copies, trials, kind = copying_trials(model)
     trials.pending -= {n for n in range(PACK_ROWS + 1)}  # the verify forms settled on copies; a prefill's pending
     trials.forms.update({n: kind for n in (1, 2, 4, 8, 16)})
     copies.prepare_units(trials.units, kind)
@@ -624,11 +630,7 @@ def test_a_row_count_settling_between_a_groups_layers_leaves_the_group_stacked()
     model = tiny_model("llama")
     attn = model.model.layers[0].self_attn
     group = (attn.q_proj, attn.k_proj, attn.v_proj)
-    copies = WeightCopies(limit=10**9)
-    trials = FormTrials([model], copies, plain_row_s=0.050, clock=FakeClock(lambda rows, form: 0.0))
-    kind = trials.copy_kind
-    if kind is None:
-        pytest.skip("no weight copies on this machine")
+    copies, trials, kind = copying_trials(model)
     copies.prepare_units(trials.units, kind)
     trials.next_call()
     x = torch.randn(1, 2, model.config.hidden_size)
