@@ -602,7 +602,7 @@ static inline __attribute__((always_inline)) void attend_n(
     __m512 scaled = _mm512_set1_ps(scale);
     for (int blk = 0; blk < blocks; blk++) {
         __m512 acc[ATT_ROWS];
-        _Pragma("GCC unroll 8") for (int r = 0; r < n; r++)
+        for (int r = 0; r < n; r++)
             acc[r] = _mm512_setzero_ps();
         const uint32_t* kb = kt + (size_t)(k0 / 16 + blk) * pairs * 16;
         for (int p = 0; p < pairs; p++) {
