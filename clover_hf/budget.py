@@ -75,6 +75,9 @@ class CostModel:
     # the widths a compiled forward is padded to (`verify_forward.BUCKETS`): a width costs what its bucket
     # does, and only buckets are timed; None: every width is its own forward
     buckets: tuple[int, ...] | None = None
+    # (rows, width) timed while the linear forms were still being learnt (`choosing.StepBudget.verified`): kept, and
+    # stored, until timed again in settled forms, in whichever call (or process) that happens
+    provisional: set[tuple[int, int]] = field(default_factory=set)
 
     @classmethod
     def from_function(cls, fn: Callable[[int, int], float], rows: range | tuple = range(1, 9),
@@ -192,6 +195,7 @@ class CostModel:
             for w in [w for w in widths if row_bucket(rows * w) in switched]:
                 del widths[w]
                 self.timed_at.get(rows, {}).pop(w, None)
+                self.provisional.discard((rows, w))
         return switched
 
     def verify_pending(self) -> bool:
@@ -216,17 +220,21 @@ class CostModel:
             data["plain_row_ms"] = round(self.plain_row_ms, 3)
         if self.fallbacks:
             data["fallbacks"] = {str(n): f for n, f in sorted(self.fallbacks.items())}
+        if self.provisional:
+            data["provisional"] = [list(pair) for pair in sorted(self.provisional)]
         return data
 
     @classmethod
     def from_json(cls, data: dict) -> "CostModel":
         curves = {int(r): {int(w): float(ms) for w, ms in c.items()} for r, c in data.items() if r.isdigit()}
         forms, pending, plain_row = data.get("forms"), data.get("pending"), data.get("plain_row_ms")
-        fallbacks = data.get("fallbacks")
+        fallbacks, provisional = data.get("fallbacks"), data.get("provisional")
+        pairs = provisional if isinstance(provisional, list) else []
         return cls(curves, forms={int(n): str(f) for n, f in forms.items()} if isinstance(forms, dict) else None,
                    pending=[int(n) for n in pending] if isinstance(pending, list) else None,
                    plain_row_ms=float(plain_row) if isinstance(plain_row, (int, float)) else None,
-                   fallbacks={int(n): str(f) for n, f in fallbacks.items()} if isinstance(fallbacks, dict) else None)
+                   fallbacks={int(n): str(f) for n, f in fallbacks.items()} if isinstance(fallbacks, dict) else None,
+                   provisional={(int(p[0]), int(p[1])) for p in pairs if isinstance(p, list) and len(p) == 2})
 
 
 def _plain_row_s(costs: CostModel) -> float | None:

@@ -251,6 +251,7 @@ def clover_generate(
                 stats.learning_steps += 1
             if budget is not None and plan.trials is not None:  # a first call learns wider forms once it runs long
                 budget.cap = 1 if plan.trials.one_token_steps() else None
+                budget.learn(plan.trials.width_to_learn())
             drafts, chains = _draft(batch.active, plan, budget, stats, clock)
             room = batch.room()
             drafts = _fit(drafts, room)

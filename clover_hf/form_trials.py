@@ -193,6 +193,13 @@ class FormTrials:
             return True
         return (self.providing or self._wider_pending()) and not self.may_learn() and not self.ready()
 
+    def width_to_learn(self) -> int | None:
+        """The narrowest row count above one a verify forward has (up to PACK_ROWS) still to learn, while the call may
+        spend on learning (`may_learn`): a width for a step to verify (the trials run at batch 1); else None."""
+        if not self.may_learn():
+            return None
+        return min((n for n in self.pending if 1 < n <= PACK_ROWS), default=None)
+
     def _wider_pending(self) -> bool:
         """Whether a verify forward's row count above one (up to PACK_ROWS) is still to be learnt."""
         return any(n in self.pending for n in ROW_COUNTS if 1 < n <= PACK_ROWS)

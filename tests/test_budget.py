@@ -590,6 +590,28 @@ def test_widths_timed_while_the_forms_were_learnt_are_timed_again_once_steps_run
     assert costs.ms[1][1] == pytest.approx(10.0) and not step.provisional  # a settled cost is not made dearer
 
 
+def test_a_step_verifies_the_width_the_form_trials_learn_at_most_learn_steps_a_call():
+    """`StepBudget.learn` puts the form trials' width first among those explored (whatever its cost), unless
+    steps verify one token for now (`cap`), at most LEARN_STEPS steps a call: forms that never settle must not
+    hold a call's steps at that width."""
+    from clover_hf.budget import AcceptanceModel
+    from clover_hf.choosing import LEARN_STEPS, StepBudget
+
+    step = StepBudget(DraftBudget(cache_dir="unused"), "k", CostModel({1: {1: 1.0, 4: 500.0}}), AcceptanceModel(3, 4),
+                      depth=3, lookup_max=4, explore=[8])
+    step.learn(None)
+    step.cap = 1
+    step.learn(4)
+    assert step.explore == [8]
+    step.cap = None
+    for _ in range(LEARN_STEPS):
+        step.learn(4)
+        assert step.explore == [4, 8]
+        step.explore.pop(0)  # as a step that verified it takes it off
+    step.learn(4)
+    assert step.explore == [8]
+
+
 def test_full_budget_verifies_the_whole_tree_in_the_forms_auto_uses():
     """budget="full": no cut, but the linear forms and weight copies of the model's budget (not F.linear)."""
     base = tiny_model("llama")

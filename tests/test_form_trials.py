@@ -130,6 +130,21 @@ def test_a_call_learns_only_while_ahead_of_plain_by_its_reserve():
     assert not trials.one_token_steps()
 
 
+def test_the_width_to_learn_is_the_narrowest_verify_row_count_pending_while_the_call_may_learn():
+    """A step verifies the narrowest row count a verify forward has still to learn (above one: one-token steps learn
+    one row), once the call may spend on learning; a prefill's wider row counts are left to prefills."""
+    clock = FakeClock(None)
+    trials = FormTrials([tiny_model("llama")], WeightCopies(), plain_row_s=0.025, clock=clock)
+    trials.next_call()
+    assert trials.width_to_learn() is None  # not ahead of plain, and not running long
+    clock.now = trials.started + form_trials.LEARN_ANYWAY
+    assert trials.width_to_learn() == 2
+    trials.pending -= {1, 2}
+    assert trials.width_to_learn() == 4
+    trials.pending -= set(range(PACK_ROWS + 1))
+    assert trials.pending and trials.width_to_learn() is None
+
+
 def load_costs_all(cache_dir) -> dict[str, CostModel]:
     import json
 
@@ -331,10 +346,10 @@ def test_stored_forms_and_pending_row_counts_survive_the_cache_file(tmp_path):
     from clover_hf.budget import save_costs
 
     save_costs("m", CostModel({1: {1: 5.0}}, forms={1: "native", 4: "packed"}, pending=[32, 64],
-                              fallbacks={1: "native", 4: "transposed"}), tmp_path)
+                              fallbacks={1: "native", 4: "transposed"}, provisional={(1, 4), (4, 2)}), tmp_path)
     loaded = load_costs("m", tmp_path)
     assert loaded.forms == {1: "native", 4: "packed"} and loaded.pending == [32, 64] and loaded.ms == {1: {1: 5.0}}
-    assert loaded.fallbacks == {1: "native", 4: "transposed"}
+    assert loaded.fallbacks == {1: "native", 4: "transposed"} and loaded.provisional == {(1, 4), (4, 2)}
 
 
 def test_forms_learnt_keep_the_verify_costs_and_end_once_every_row_count_settles(tmp_path):
@@ -359,6 +374,39 @@ def test_forms_learnt_keep_the_verify_costs_and_end_once_every_row_count_settles
     trials.pending.clear()
     budget.keep_learnt("m", trials)
     assert budget.stored("m").pending is None and budget.form_trials("m", None, [model]) is None
+
+
+def test_a_verify_row_count_still_to_learn_is_verified_though_its_widths_were_timed_dear(monkeypatch, tmp_path):
+    """Widths timed while their forms were still being learnt can look so dear that the choice by cost never
+    verifies them again: their row count then stayed pending for good, and every later call ran steps in forms
+    being timed. A call that may learn verifies the narrowest pending row count (`StepBudget.learn`) until it
+    settles. Costs stored as timed provisionally are timed again once a step runs settled at as many tokens or
+    more, in a later call too. Greedy output stays the base's."""
+    from clover_hf.budget import save_costs
+
+    base = tiny_model("llama")
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
+    ids = prompt(3, length=20)  # its prefill's 20 rows learn row count 16, not 4
+    ref = base.generate(ids, max_new_tokens=40, do_sample=False)
+    monkeypatch.setattr(form_trials, "RESERVE_STEPS", -1e9)  # always ahead of plain: the calls may learn
+    assert same(clover.generate(ids, max_new_tokens=40, do_sample=False, budget=DraftBudget(cache_dir=tmp_path)), ref)
+    (key, stored), = load_costs_all(tmp_path).items()
+    stored.forms, stored.fallbacks = {}, dict.fromkeys((1, 2, 8, 16), LINEAR)  # F.linear at the settled row counts
+    stored.pending = [4, 32, 64, 128, 256]
+    stored.ms = {1: {1: 1.0, 2: 1.1, 3: 1.2, **dict.fromkeys(range(4, 65), 500.0)}}  # every width wider: none explored
+    stored.provisional = set()  # as stored before provisional costs were kept
+    save_costs(key, stored, tmp_path)
+    assert same(clover.generate(ids, max_new_tokens=40, do_sample=False, budget=DraftBudget(cache_dir=tmp_path)), ref)
+    costs = load_costs(key, tmp_path)
+    assert 4 not in costs.pending
+
+    costs.ms[1].update({4: 500.0, 6: 500.0})
+    costs.provisional = {(1, 4), (1, 6), (4, 2)}  # timed provisionally by an earlier process
+    save_costs(key, costs, tmp_path)
+    assert same(clover.generate(ids, max_new_tokens=40, do_sample=False, budget=DraftBudget(cache_dir=tmp_path)), ref)
+    costs = load_costs(key, tmp_path)
+    assert costs.provisional == {(4, 2)}  # another row count's are left to a call of its own
+    assert all(costs.ms[1].get(w, 0.0) < 500.0 for w in (4, 6))  # timed again (or left untimed)
 
 
 def test_a_row_count_is_the_power_of_two_at_or_below_it():
