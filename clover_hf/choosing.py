@@ -144,8 +144,8 @@ class StepBudget:
         tokens; a step that was not `settled` (its forward compiled) teaches nothing, and what it explored
         is explored again. A `provisional` step (its forward still learning the linear forms, or making or
         missing weight copies they compute from) times only a width with no cost from settled steps, as it
-        ran; once a step of as many tokens or more runs in settled forms, such widths are timed again
-        (`_time_again`)."""
+        ran; a settled step of such a width replaces its cost, and once a step of as many tokens or more runs in
+        settled forms, the narrower ones are timed again (`_time_again`)."""
         if not settled:
             return
         if self.exploring and self.explore:
@@ -162,6 +162,9 @@ class StepBudget:
                 if one is not None and ms > EXPLORE_LIMIT * one and not provisional:
                     self.explore.clear()
             else:
+                if not provisional and (rows, width) in self.provisional:  # timed settled at last: replaced
+                    self.costs.doubt([(rows, width)])
+                    self.provisional.discard((rows, width))
                 self.costs.observe(rows, width, ms)
             if provisional:
                 self.provisional.add((rows, width))
@@ -179,13 +182,17 @@ class StepBudget:
     def _time_again(self, timed: set[tuple[int, int]]) -> None:
         """Forget the costs of these provisionally timed (rows, width), to be explored again (a step that made
         weight copies took up to 10x its cost: doubting it would still rule it out); one token's, which every
-        choice needs, is doubted instead (`CostModel.doubt`): priced lower, it is soon timed again. Those of other row
+        choice needs, is doubted instead (`CostModel.doubt`: its next timing replaces it) and explored first (where
+        the heads pay, one-token steps are rare: left at 17-19 ms against 9 for settled ones after first calls, it
+        made the lookup chain alone look dear to the heads gate; AVX-512-bf16 EPYC, Zen 4). Those of other row
         counts than the call's are left to a call of theirs."""
         timed = {(r, w) for r, w in timed if r == self.rows}
         for rows, width in timed:
             curve = self.costs.ms.get(rows, {})
             if width == 1 or width not in curve:
                 self.costs.doubt([(rows, width)])
+                if width == 1 and 1 not in self.explore:
+                    self.explore.insert(0, 1)
                 continue
             del curve[width]
             if width not in self.explore:  # (trials run at batch 1: the rows the explored widths are timed at)

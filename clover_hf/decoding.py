@@ -231,7 +231,8 @@ def clover_generate(
     # call's products already round differently from plain decoding's), and how this machine multiplies
     kernels = bool(plan.forms) or plan.trials is not None  # the call multiplies in forms stored or being learnt
     lean = lean_layers(model, pack=kernels) if verify.compiled is None else contextlib.nullcontext()
-    with lean, linear_forms([model, clover_heads], plan.forms, copies, plan.trials):
+    with lean, contextlib.ExitStack() as forms_block:
+        forms_block.enter_context(linear_forms([model, clover_heads], plan.forms, copies, plan.trials))
         # Prefill: the prompts through the base; each row's hidden states wait for the heads' first draft.
         prefill_start = time.perf_counter()
         logits, hidden, positions, cache, plain_mask = prefill(model, input_ids, attention_mask, layout, pre_norm,
@@ -276,6 +277,11 @@ def clover_generate(
                 budget.verified(len(batch.active), ids.shape[1], started, verify.settled, provisional)
                 if not budget.forms_settled and plan.trials.ready():
                     budget.forms_ready()
+                    # bound as the call began, the layers' products of the row counts it learnt still run through
+                    # the trials (a layer at a time, outside the decoder layers' one kernel call): bound again, the
+                    # rest of the call runs in the settled forms
+                    forms_block.close()
+                    forms_block.enter_context(linear_forms([model, clover_heads], plan.forms, copies, plan.trials))
             _feed_heads(batch.active, accepted, news, hidden, node_pos, plan.embed)
             batch.drop_finished()
 

@@ -111,8 +111,8 @@ class FormTrials:
         self.used: set[int] = set()  # the layers (by id) that computed products here
         self.stacked_products: dict[nn.Linear, _Stacked] = {}  # by a group's first layer, in this call
         self.copy_s = 0.0  # seconds spent making copies in this call
-        # products computed otherwise than a settled step computes them (timed or untimed trials, a copy made,
-        # a copy missing): a step that ran any is no measure of what a step costs
+        # products computed otherwise than a settled step computes them (any the trials compute, a copy made): a step
+        # that ran any is no measure of what a step costs
         self.unsettled = 0
         self.started = self.clock()  # when the current call began (`next_call`)
         # seconds of a one-token forward in F.linear, as plain `generate` computes it (timed by the one-row trials,
@@ -222,6 +222,9 @@ class FormTrials:
         """`layer(x)` for `rows` rows: in the settled form, or in the next form to time (timed)."""
         n, shape = row_bucket(rows), self.shape_of[id(layer)]
         self.used.add(id(layer))
+        # in whatever form, computed here a layer at a time (outside the decoder layers' one kernel call), as a step
+        # in settled forms does not: SmolLM2's one-token steps took ~18 against ~9 ms so (AVX-512-bf16 EPYC, Zen 4)
+        self.unsettled += 1
         # the copies are made where the forms settled on them, or for one row to be timed in their form: calls that
         # verify one token a step (`budget="one-token"`) have no wider row count to make them, and one row had stayed
         # pending for good (copies never made, never timed), its products in F.linear

@@ -286,6 +286,9 @@ class _ModelForward:
         self.parts = (model, inner, inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head)
         self.key = (type(model), inner.norm.weight.dtype)
         self.screens = BlockMemo()  # the lm_head's screen by row count, where its product of those rows is tiled
+        # whether the last call made the lm_head's screen or ran a process's first check (of the forward or of the
+        # screen): its time is no step's cost (on the AVX-512-bf16 EPYC such a step of 3 tokens took 61 ms, not 10)
+        self.checked = False
 
     @staticmethod
     def fits(model: nn.Module) -> bool:
@@ -300,6 +303,7 @@ class _ModelForward:
         With `greedy`, where the lm_head's screen serves (`_greedy`): (None, hidden states, each token's argmax). With
         `top_k`, where it serves (`_top_k`): (logits (B, T, C) at columns (C,) alone, hidden states, None, columns),
         the columns holding every logit at least its token's k-th largest."""
+        self.checked = False
         if self.causal_mask is None or _MODELS_CHECKED.get(self.key) is False or any(
                 part._forward_hooks or part._forward_pre_hooks for part in self.parts):
             return None
@@ -334,6 +338,7 @@ class _ModelForward:
                 return made[1].view(*normed.shape[:2], -1), hidden, None, made[0]
         logits = self.model.lm_head(normed).float()
         if self.key not in _MODELS_CHECKED:
+            self.checked = True
             for layer in stored:
                 layer.set_length(length)  # the model's own forward writes the same slots again
             own_logits, own_hidden = base_forward(self.model, ids, mask, positions, cache, pre_norm=pre_norm)
@@ -373,6 +378,7 @@ class _ModelForward:
         rows = normed.shape[0] * normed.shape[1]
         if _SCREENS_CHECKED.get(key) is False:
             return None
+        self.checked |= key not in _SCREENS_CHECKED  # the screen made (once a process), and checked
         screen = self.screens.get(self.model.lm_head.forward, rows, self._screen)
         made = None if screen is None else ask(screen, normed.reshape(rows, -1))
         if made is None or key in _SCREENS_CHECKED:

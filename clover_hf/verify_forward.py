@@ -151,7 +151,8 @@ class VerifyForward:
         self.model, self.pre_norm, self.greedy, self.top_k = model, pre_norm, greedy, top_k
         self.compiled = None if config is None else _compiled(model, config, pre_norm)
         self.config = None if self.compiled is None else config
-        self.settled = True  # whether the last call ran a shape past its compiling calls (its time is the step's)
+        self.settled = True  # whether the last call's time is the step's: past its compiling calls, with no one-off
+        # set-up (the lean forward's checks, `lean_layers._ModelForward.checked`)
 
     @property
     def buckets(self) -> tuple[int, ...] | None:
@@ -177,6 +178,7 @@ class VerifyForward:
         if calls < 0:
             lean = model_forward(self.model)  # within `lean_layers`, where the layers all run in one kernel call
             out = None if lean is None else lean(ids, mask, positions, cache, self.pre_norm, self.greedy, self.top_k)
+            self.settled = lean is None or not lean.checked  # a process's one-off checks are no step's cost
             return Verified(*(out if out is not None else base_forward(self.model, ids, mask, positions, cache,
                                                                        pre_norm=self.pre_norm)))
         if self.model.device.type == "cuda" and self.config.mode == "reduce-overhead":

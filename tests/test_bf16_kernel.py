@@ -983,6 +983,8 @@ def test_verify_forwards_of_a_model_whose_layers_run_in_one_call_skip_its_python
     mask = torch.zeros(batch, 1, 3, 9, dtype=torch.bfloat16).masked_fill(later, torch.finfo(torch.bfloat16).min)
     mask[1:, :, 1:, 7] = torch.finfo(torch.bfloat16).min  # other rows: a tree, not a chain
 
+    settled = []  # whether each verify forward's time is its step's: not the one that ran the check
+
     def run():
         with torch.no_grad(), lean.lean_layers(model, pack=True), linear_forms(
                 [model], {1 << k: TILED for k in range(5)}, WeightCopies(limit=10**9)):
@@ -990,15 +992,18 @@ def test_verify_forwards_of_a_model_whose_layers_run_in_one_call_skip_its_python
             model(ids[:, :6], cache=cache, use_cache=True)
             verify = verify_forward.VerifyForward(model, pre_norm)
             three = verify(ids[:, 6:9], mask, torch.arange(6, 9).expand(batch, 3), cache)
+            settled.append(verify.settled)
             one_mask = torch.ones(batch, 10, dtype=torch.long)
             one_mask[1:, :2] = 0  # other rows: padding, which one token must not see
             one = verify(ids[:, 9:], one_mask, torch.tensor([[9]]).expand(batch, 1), cache)
+            settled.append(verify.settled)
             assert three.targets is None and one.targets is None  # logits asked for
         return [*three[:2], *one[:2], *(t for layer in cache.layers for t in (layer.keys, layer.values))]
 
     got = run()
     # a padded row's one-token mask (bool, as transformers makes it) is not one the kernel takes: the own forward runs
     assert ran == [True, batch == 1] and list(lean._MODELS_CHECKED.values()) == [True]
+    assert settled == [False, True]
     real_forward = verify_forward.model_forward
     monkeypatch.setattr(verify_forward, "model_forward", lambda model: None)
     want = run()
@@ -1155,9 +1160,10 @@ def test_greedy_decoding_reads_the_lm_heads_screen_and_emits_the_same_tokens(arc
     """bf16, every product tiled, whole trees verified: where a call reads no logits but each node's argmax, the lean
     verify forward gives the screen's choices instead of logits, and the tokens are those of the whole logits' argmax.
     A call that keeps scores, or whose stopping criteria may read them, computes the logits whole; so does every call
-    after a screen's first choices in a process differed from the logits' argmax."""
+    after a screen's first choices in a process differed from the logits' argmax. The forward that makes the screen
+    and checks its first choices is no step's cost."""
     import clover_hf.lean_layers as lean
-    from clover_hf import CostModel, DraftBudget
+    from clover_hf import CostModel, DraftBudget, verify_forward
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     from .tiny import prompt, random_heads
@@ -1174,8 +1180,17 @@ def test_greedy_decoding_reads_the_lm_heads_screen_and_emits_the_same_tokens(arc
     def run(**kwargs):
         return clover.generate(prompt(4), max_new_tokens=24, do_sample=False, budget=DraftBudget(costs=costs), **kwargs)
 
+    settled = []
+    real_verify = verify_forward.VerifyForward.__call__
+    monkeypatch.setattr(verify_forward.VerifyForward, "__call__",
+                        lambda self, *a: (lambda out: settled.append(self.settled) or out)(real_verify(self, *a)))
+    monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
+    monkeypatch.setattr(lean, "_SCREENS_CHECKED", {})
     got = run()
     assert len(screened) > 5 and max(screened) > 2 and clover.generation_stats.verified_per_step > 2
+    # the forwards that checked the lean forward, then made the screen and checked its first choices (a process's
+    # first of each) are no step's cost
+    assert settled[:2] == [False, False] and all(settled[2:])
     screened.clear()
     monkeypatch.setattr(lean._ModelForward, "_greedy", lambda self, normed: None)
     assert torch.equal(got, run()) and not screened
@@ -1205,9 +1220,10 @@ def test_sampling_through_a_top_k_cut_reads_the_lm_heads_screen_and_draws_the_sa
     """bf16, every product tiled, whole trees verified, seeded: sampling through a top-k cut (after a temperature,
     with top-p and min-p after it) reads the lm_head screen's columns instead of the whole logits and draws the tokens
     the whole logits give. A repetition penalty before the cut reads every logit: the screen is not asked. A screen whose first
-    columns in a process miss one the cut keeps is not used again, with a warning."""
+    columns in a process miss one the cut keeps is not used again, with a warning. The forwards that check the lean
+    forward and the screen (a process's first) are no step's cost."""
     import clover_hf.lean_layers as lean
-    from clover_hf import CostModel, DraftBudget
+    from clover_hf import CostModel, DraftBudget, verify_forward
 
     from .tiny import prompt, random_heads
 
@@ -1225,8 +1241,17 @@ def test_sampling_through_a_top_k_cut_reads_the_lm_heads_screen_and_draws_the_sa
         return clover.generate(prompt(4), max_new_tokens=24, do_sample=True, temperature=0.8, top_k=6, top_p=0.9,
                                min_p=0.02, budget=DraftBudget(costs=costs), **kwargs)
 
+    settled = []
+    real_verify = verify_forward.VerifyForward.__call__
+    monkeypatch.setattr(verify_forward.VerifyForward, "__call__",
+                        lambda self, *a: (lambda out: settled.append(self.settled) or out)(real_verify(self, *a)))
+    monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
+    monkeypatch.setattr(lean, "_SCREENS_CHECKED", {})
     got = run()
     assert len(screened) > 5 and max(screened) > 2 and clover.generation_stats.verified_per_step > 2
+    # the forwards that checked the lean forward, then made the screen and checked its first choices (a process's
+    # first of each) are no step's cost
+    assert settled[:2] == [False, False] and all(settled[2:])
     screened.clear()
     monkeypatch.setattr(lean._ModelForward, "_top_k", lambda self, normed, k: None)
     assert torch.equal(got, run()) and not screened

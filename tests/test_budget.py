@@ -562,10 +562,11 @@ def test_first_steps_stop_learning_wider_widths_once_one_costs_three_one_token_s
 
 def test_widths_timed_while_the_forms_were_learnt_are_timed_again_once_steps_run_in_settled_forms():
     """A provisional step (its forward still learning the linear forms, or making weight copies) is timed as it
-    ran, and does not stop the exploring of wider widths. Once a settled step of as many tokens or more runs (or
-    the forms' copies are all made: `forms_ready`), a wider width's cost is forgotten and explored again (a step
-    that made copies took up to 10x its cost), one token's doubted most (every choice needs it). A narrower
-    settled step proves nothing of the wider one's products; a provisional step leaves a settled cost alone."""
+    ran, and does not stop the exploring of wider widths. A settled step of such a width replaces its cost. Once a
+    settled step of as many tokens or more runs (or the forms' copies are all made: `forms_ready`), a wider width's
+    cost is forgotten and explored again (a step that made copies took up to 10x its cost), one token's doubted
+    most (every choice needs it) and explored first. A narrower settled step proves nothing of the wider one's
+    products; a provisional step leaves a settled cost alone."""
     import time
 
     from clover_hf.budget import MAX_DOUBT, AcceptanceModel
@@ -579,15 +580,20 @@ def test_widths_timed_while_the_forms_were_learnt_are_timed_again_once_steps_run
     costs = step.costs
     assert step.explore == [8]  # a dear width timed provisionally does not rule out wider ones
     step.exploring = False
-    step.verified(1, 1, time.perf_counter() - 0.010)  # settled, but one token: doubts one token's cost only
+    step.verified(1, 1, time.perf_counter() - 0.010)  # settled, but one token: replaces one token's cost only
     assert step.provisional == {(1, 4)} and 4 in costs.ms[1] and costs.staleness(1, 4) < 1.0
+    assert costs.ms[1][1] == pytest.approx(10.0, rel=0.2)  # not 30 averaged with 10
     step.forms_ready()
     assert 4 not in costs.ms[1] and step.explore == [4, 8] and not step.provisional
+    step.verified(1, 1, time.perf_counter() - 0.090, provisional=True)  # a copy made in a one-token step
+    assert costs.ms[1][1] == pytest.approx(10.0, rel=0.2) and not step.provisional  # a settled cost is not made dearer
+    costs.provisional.add((1, 1))  # one token's cost timed provisionally, as a first call's one-token steps are
+    step.exploring = True
+    step.verified(1, 4, time.perf_counter() - 0.011)  # settled: one token's cost is doubted and explored first
+    assert step.explore == [1, 8] and not step.provisional
     assert costs.staleness(1, 1) == 1.0 and costs.price(1, 1) == pytest.approx((1 - MAX_DOUBT) * costs.predict(1, 1))
     costs.observe(1, 1, 10.0)  # timed again: the doubted cost is replaced, not averaged with
-    assert costs.ms[1][1] == pytest.approx(10.0) and not step.provisional
-    step.verified(1, 1, time.perf_counter() - 0.090, provisional=True)  # a copy made in a one-token step
-    assert costs.ms[1][1] == pytest.approx(10.0) and not step.provisional  # a settled cost is not made dearer
+    assert costs.ms[1][1] == pytest.approx(10.0)
 
 
 def test_a_step_verifies_the_width_the_form_trials_learn_at_most_learn_steps_a_call():

@@ -130,6 +130,42 @@ def test_a_call_learns_only_while_ahead_of_plain_by_its_reserve():
     assert not trials.one_token_steps()
 
 
+def test_a_call_whose_forms_become_ready_runs_its_remaining_steps_outside_the_trials(monkeypatch, tmp_path):
+    """A step any of whose products the trials computed (in a form being timed, or in a settled one: the trials
+    compute a layer at a time, outside the decoder layers' one kernel call) is provisional. Bound as the call
+    began, the layers' products of the row counts it learnt ran through the trials to its end; once the forms are
+    ready, the call binds them again, and its remaining steps compute none there. Greedy output stays the base's."""
+    from clover_hf.choosing import StepBudget
+
+    base = tiny_model("llama")
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
+    ids = prompt(3, length=20)
+    ref = base.generate(ids, max_new_tokens=80, do_sample=False)
+    monkeypatch.setattr(form_trials, "RESERVE_STEPS", -1e9)  # always ahead of plain: the call may learn
+    budget = DraftBudget(cache_dir=tmp_path)
+    through, steps = [0], []  # products the trials computed since the last step; (those, provisional, ready, width)
+    real_product, real_verified = FormTrials.product, StepBudget.verified
+
+    def product(self, layer, x, rows):
+        through[0] += 1
+        return real_product(self, layer, x, rows)
+
+    def verified(self, rows, width, started, settled=True, provisional=False):
+        (trials,) = budget._trials.values()
+        steps.append((through[0], provisional, trials.ready(), width))
+        through[0] = 0
+        return real_verified(self, rows, width, started, settled, provisional)
+
+    monkeypatch.setattr(FormTrials, "product", product)
+    monkeypatch.setattr(StepBudget, "verified", verified)
+    assert same(clover.generate(ids, max_new_tokens=80, do_sample=False, budget=budget), ref)
+    ready = [i for i, (_, _, now, _) in enumerate(steps) if now]
+    assert ready and ready[0] < len(steps) - 1  # ready within the call, with steps after it
+    assert all(provisional == (n > 0) for n, provisional, _, _ in steps)
+    # (a step of more tokens than a verify forward's row counts computes in a prefill's, which may still be learnt)
+    assert steps[ready[0]][0] > 0 and all(n == 0 for n, _, _, width in steps[ready[0] + 1:] if width <= PACK_ROWS)
+
+
 def test_the_width_to_learn_is_the_narrowest_verify_row_count_pending_while_the_call_may_learn():
     """A step verifies the narrowest row count a verify forward has still to learn (above one: one-token steps learn
     one row), once the call may spend on learning; a prefill's wider row counts are left to prefills."""
