@@ -1154,6 +1154,21 @@ def test_the_screen_declines_what_it_cannot_bound(isa, built, monkeypatch):
     assert screen(torch.randn(3, 30).bfloat16()) is None and screen(torch.randn(3, 32)) is None
 
 
+def _verify_settled(monkeypatch) -> list[bool]:
+    """Each verify forward's `settled` from now on, a process's one-off checks (the lean forward's and the lm_head
+    screen's) to run again."""
+    import clover_hf.lean_layers as lean
+    from clover_hf import verify_forward
+
+    settled = []
+    real = verify_forward.VerifyForward.__call__
+    monkeypatch.setattr(verify_forward.VerifyForward, "__call__",
+                        lambda self, *a: (lambda out: settled.append(self.settled) or out)(real(self, *a)))
+    monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
+    monkeypatch.setattr(lean, "_SCREENS_CHECKED", {})
+    return settled
+
+
 @needs_kernel
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_greedy_decoding_reads_the_lm_heads_screen_and_emits_the_same_tokens(arch, monkeypatch):
@@ -1163,7 +1178,7 @@ def test_greedy_decoding_reads_the_lm_heads_screen_and_emits_the_same_tokens(arc
     after a screen's first choices in a process differed from the logits' argmax. The forward that makes the screen
     and checks its first choices is no step's cost."""
     import clover_hf.lean_layers as lean
-    from clover_hf import CostModel, DraftBudget, verify_forward
+    from clover_hf import CostModel, DraftBudget
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     from .tiny import prompt, random_heads
@@ -1180,12 +1195,7 @@ def test_greedy_decoding_reads_the_lm_heads_screen_and_emits_the_same_tokens(arc
     def run(**kwargs):
         return clover.generate(prompt(4), max_new_tokens=24, do_sample=False, budget=DraftBudget(costs=costs), **kwargs)
 
-    settled = []
-    real_verify = verify_forward.VerifyForward.__call__
-    monkeypatch.setattr(verify_forward.VerifyForward, "__call__",
-                        lambda self, *a: (lambda out: settled.append(self.settled) or out)(real_verify(self, *a)))
-    monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
-    monkeypatch.setattr(lean, "_SCREENS_CHECKED", {})
+    settled = _verify_settled(monkeypatch)
     got = run()
     assert len(screened) > 5 and max(screened) > 2 and clover.generation_stats.verified_per_step > 2
     # the forwards that checked the lean forward, then made the screen and checked its first choices (a process's
@@ -1223,7 +1233,7 @@ def test_sampling_through_a_top_k_cut_reads_the_lm_heads_screen_and_draws_the_sa
     columns in a process miss one the cut keeps is not used again, with a warning. The forwards that check the lean
     forward and the screen (a process's first) are no step's cost."""
     import clover_hf.lean_layers as lean
-    from clover_hf import CostModel, DraftBudget, verify_forward
+    from clover_hf import CostModel, DraftBudget
 
     from .tiny import prompt, random_heads
 
@@ -1241,12 +1251,7 @@ def test_sampling_through_a_top_k_cut_reads_the_lm_heads_screen_and_draws_the_sa
         return clover.generate(prompt(4), max_new_tokens=24, do_sample=True, temperature=0.8, top_k=6, top_p=0.9,
                                min_p=0.02, budget=DraftBudget(costs=costs), **kwargs)
 
-    settled = []
-    real_verify = verify_forward.VerifyForward.__call__
-    monkeypatch.setattr(verify_forward.VerifyForward, "__call__",
-                        lambda self, *a: (lambda out: settled.append(self.settled) or out)(real_verify(self, *a)))
-    monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
-    monkeypatch.setattr(lean, "_SCREENS_CHECKED", {})
+    settled = _verify_settled(monkeypatch)
     got = run()
     assert len(screened) > 5 and max(screened) > 2 and clover.generation_stats.verified_per_step > 2
     # the forwards that checked the lean forward, then made the screen and checked its first choices (a process's
