@@ -378,11 +378,11 @@ class _ModelForward:
         rows = normed.shape[0] * normed.shape[1]
         if _SCREENS_CHECKED.get(key) is False:
             return None
-        self.checked |= key not in _SCREENS_CHECKED  # the screen made (once a process), and checked
         screen = self.screens.get(self.model.lm_head.forward, rows, self._screen)
         made = None if screen is None else ask(screen, normed.reshape(rows, -1))
         if made is None or key in _SCREENS_CHECKED:
             return made
+        self.checked = True  # the screen made (once a process) and its first answer checked
         _SCREENS_CHECKED[key] = agrees(self.model.lm_head(normed).float().reshape(rows, -1), made)
         if not _SCREENS_CHECKED[key]:
             warnings.warn(f"clover-hf's {what} from {type(self.model).__name__}'s lm_head screen differed from "

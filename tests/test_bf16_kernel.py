@@ -1201,6 +1201,11 @@ def test_greedy_decoding_reads_the_lm_heads_screen_and_emits_the_same_tokens(arc
     # the forwards that checked the lean forward, then made the screen and checked its first choices (a process's
     # first of each) are no step's cost
     assert settled[:2] == [False, False] and all(settled[2:])
+    settled = _verify_settled(monkeypatch)
+    with monkeypatch.context() as m:  # no screen at these row counts (an lm_head in another form): nothing checked
+        m.setattr(lean._ModelForward, "_screen", lambda self, rows: None)
+        assert torch.equal(run(), got)
+    assert settled[:1] == [False] and all(settled[1:])  # the lean forward's check alone
     screened.clear()
     monkeypatch.setattr(lean._ModelForward, "_greedy", lambda self, normed: None)
     assert torch.equal(got, run()) and not screened
