@@ -231,8 +231,9 @@ def clover_generate(
     # call's products already round differently from plain decoding's), and how this machine multiplies
     kernels = bool(plan.forms) or plan.trials is not None  # the call multiplies in forms stored or being learnt
     lean = lean_layers(model, pack=kernels) if verify.compiled is None else contextlib.nullcontext()
+    bind_forms = functools.partial(linear_forms, [model, clover_heads], plan.forms, copies, plan.trials)
     with lean, contextlib.ExitStack() as forms_block:
-        forms_block.enter_context(linear_forms([model, clover_heads], plan.forms, copies, plan.trials))
+        forms_block.enter_context(bind_forms())
         # Prefill: the prompts through the base; each row's hidden states wait for the heads' first draft.
         prefill_start = time.perf_counter()
         logits, hidden, positions, cache, plain_mask = prefill(model, input_ids, attention_mask, layout, pre_norm,
@@ -281,7 +282,7 @@ def clover_generate(
                     # the trials (a layer at a time, outside the decoder layers' one kernel call): bound again, the
                     # rest of the call runs in the settled forms
                     forms_block.close()
-                    forms_block.enter_context(linear_forms([model, clover_heads], plan.forms, copies, plan.trials))
+                    forms_block.enter_context(bind_forms())
             _feed_heads(batch.active, accepted, news, hidden, node_pos, plan.embed)
             batch.drop_finished()
 

@@ -111,8 +111,8 @@ class FormTrials:
         self.used: set[int] = set()  # the layers (by id) that computed products here
         self.stacked_products: dict[nn.Linear, _Stacked] = {}  # by a group's first layer, in this call
         self.copy_s = 0.0  # seconds spent making copies in this call
-        # products computed otherwise than a settled step computes them (any the trials compute, a copy made): a step
-        # that ran any is no measure of what a step costs
+        # products the trials computed (`product`: timed or not, copies made on the way): a step that ran any is no
+        # measure of what a step costs
         self.unsettled = 0
         self.started = self.clock()  # when the current call began (`next_call`)
         # seconds of a one-token forward in F.linear, as plain `generate` computes it (timed by the one-row trials,
@@ -243,7 +243,6 @@ class FormTrials:
             copy = self._copy(layer, form, shape, timing=True) if form in COPIES else None
             if form in COPIES and copy is None:  # not made (yet): time another form
                 continue
-            self.unsettled += 1
             if (rows, shape, form) not in self.warm:  # oneDNN builds a kernel for each new shape and row count
                 self.warm.add((rows, shape, form))
                 return form_linear(x, layer.weight, layer.bias, form, copy)
@@ -284,7 +283,6 @@ class FormTrials:
             todo = [f for f in forms if not self._done(timed, f)]
             form = min(todo, key=lambda f: len(timed[f]) + ((1, f) in self.warm)) if todo else self._one_row_best()
             self.forward = (form, self.clock())
-            self.unsettled += bool(todo)
         form = self.forward[0] if self.forward is not None else self._one_row_best()
         out = self._compute(layer, x, form, LINEAR)
         if id(layer) == last and self.forward is not None:
@@ -350,7 +348,6 @@ class FormTrials:
         copy = self._copy(layer, form, self.shape_of[id(layer)]) if form in COPIES else None
         if form in COPIES and copy is None:
             form = without
-            self.unsettled += 1
         return form_linear(x, layer.weight, layer.bias, form, copy)
 
     def _provide(self, layer: nn.Linear, shape: tuple) -> None:
@@ -414,7 +411,6 @@ class FormTrials:
         start = self.clock()
         make(layers, form)
         self.copy_s += self.clock() - start
-        self.unsettled += 1
 
     def _ms(self, n: int, shape: tuple, form: str) -> float:
         """The least time of a product of `shape` at row count `n` in `form`: where the shape takes no copy
