@@ -670,6 +670,8 @@ class DecoderLayer:
     weights stacked, as `linears.linear_forms` keeps them) and the cache's stores (`set_weights`, `set_stores`, or at
     each call). `DecoderStack` runs several in one call."""
 
+    pointed = 0  # how many times any layer's args were pointed at other stores (`set_stores`)
+
     def __init__(self, norm_in: torch.Tensor, norm_post: torch.Tensor, eps: float, heads: int, key_heads: int,
                  head_dim: int, scale: float) -> None:
         self.args = args = LayerArgs()
@@ -713,6 +715,7 @@ class DecoderLayer:
             self.stores = ()
             return False
         self.stores = (keys, values)
+        DecoderLayer.pointed += 1
         a.keys, a.values, a.kv_row, a.kv_head = keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1)
         return True
 

@@ -228,6 +228,9 @@ class _Stack:
         self.key: tuple | None = None  # (rows, the first q projection's forward) the weights were last set for
         self.memo = BlockMemo()  # the layers' weights by rows
         self.out: torch.Tensor | None = None
+        # (the cache's layers, their stores, the fewest slots of those, the batch size, `DecoderLayer.pointed`, whether
+        # any store is an inference tensor, written in inference mode only) as the kernels were last pointed at them
+        self.held: tuple | None = None
 
     def add(self, whole: _WholeLayer | None) -> None:
         self.wholes.append(whole)
@@ -242,6 +245,14 @@ class _Stack:
         """Each layer's tiled weights for `rows` rows, or None where any computes otherwise."""
         weights = [whole.weights(rows) for whole in self.wholes]
         return None if any(w is None for w in weights) else weights
+
+    def _holding(self, stored: list, length: int, end: int, batch: int) -> bool:
+        """Whether the kernels point at the stores the cache's layers hold `length` slots in, with room for `end`: as
+        they were pointed at last, no kernel pointed elsewhere since, where they may be written (`reserve_after`)."""
+        held = self.held
+        return (held is not None and end <= held[2] and batch == held[3] and held[4] == bf16_kernel.DecoderLayer.pointed
+                and stored[: len(held[0])] == held[0] and (not held[5] or torch.is_inference_mode_enabled())
+                and GrowingLayer.hold(held[0], held[1], length))
 
     def __call__(self, x: torch.Tensor, mask: torch.Tensor | None, embeddings: tuple, cache) -> torch.Tensor | None:
         """The last layer's output (kept as `out`), or None (nothing done: the layers compute one by one)."""
@@ -259,10 +270,16 @@ class _Stack:
             self.key = (rows, forward)
         length = stored[0].get_seq_length()
         end = length + tokens
-        for whole, layer in zip(self.wholes, stored):
-            stores = layer.reserve_after(length, end) if isinstance(layer, GrowingLayer) else None
-            if stores is None or not whole.kernel.set_stores(*stores, x.shape[0], end):
-                return None
+        if not self._holding(stored, length, end, x.shape[0]):
+            self.held = None
+            held = []
+            for whole, layer in zip(self.wholes, stored):
+                stores = layer.reserve_after(length, end) if isinstance(layer, GrowingLayer) else None
+                if stores is None or not whole.kernel.set_stores(*stores, x.shape[0], end):
+                    return None
+                held.append(stores)
+            self.held = (stored[: len(self.wholes)], held, min(keys.shape[-2] for keys, _ in held), x.shape[0],
+                         bf16_kernel.DecoderLayer.pointed, any(keys.is_inference() for keys, _ in held))
         self.out = self.stack(x, *embeddings, length, mask)
         if self.out is not None:
             for layer in stored[: len(self.wholes)]:

@@ -33,6 +33,7 @@ all of SmolLM2's weights at 1 / 2 / 4 / 8 / 16 rows took 20 / 22 / 26 / 49 / 66 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import warnings
 import weakref
@@ -788,25 +789,29 @@ def layer_weights(rows: int, q: nn.Linear, k: nn.Linear, v: nn.Linear, o: nn.Lin
 
 
 class BlockMemo:
-    """Weights looked up by row count (`kernel_weights`, `layer_weights`) within one block of linear forms, which binds
-    new forwards: kept for the row counts whose forms hold all block (`steady_rows`), forgotten when another block
-    binds. Drafted steps change width every few steps, and looking weights up again each time took ~0.25 ms of
-    SmolLM2's 30 layers in situ (AVX2-only EPYC)."""
+    """Weights looked up for a row count (`kernel_weights`, `layer_weights`) within one block of linear forms, which
+    binds new forwards: kept for the row counts whose forms hold all block (`steady_rows`), one lookup per form (the
+    row counts of a form compute from the same copies), forgotten when another block binds. Drafted steps change
+    width every few steps: looking weights up again each time took ~0.25 ms of SmolLM2's 30 layers in situ (AVX2-only
+    EPYC), and once per width a call ~0.6 ms (Zen 4 EPYC), ~10 widths a call."""
 
     def __init__(self) -> None:
         self.forward: Callable | None = None
-        self.found: dict[int, object] = {}
+        self.found: dict[str, object] = {}
 
     def get(self, forward: Callable, rows: int, look: Callable[[int], object | None]) -> object | None:
-        """What `look(rows)` gives (None: nothing to keep), looked up once within the block that bound `forward` (a
-        product's forward)."""
+        """What `look(rows)` gives (None: nothing to keep), looked up once per form within the block that bound
+        `forward` (a product's forward): `look` must depend on `rows` only through the form the block gives them."""
+        if rows > getattr(forward, "steady_rows", 0):
+            return look(rows)
         if forward is not self.forward:
             self.forward, self.found = forward, {}
-        value = self.found.get(rows)
+        form = forward.form_of(rows)
+        value = self.found.get(form)
         if value is None:
             value = look(rows)
-            if value is not None and rows <= getattr(forward, "steady_rows", 0):
-                self.found[rows] = value
+            if value is not None:
+                self.found[form] = value
         return value
 
 
@@ -900,6 +905,7 @@ def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: Weight
             return copy, None if bias is None else biases[id(bias)], sizes
 
         forward.kernel_weights = kernel_weights
+        forward.form_of = functools.partial(form_for, forms)  # the form of a row count in this block
         forward.steady_rows = PACK_ROWS if verify_settled else 0  # up to which row count its answer holds all block
         return forward
 

@@ -1028,10 +1028,10 @@ def test_verify_forwards_of_a_model_whose_layers_run_in_one_call_skip_its_python
 
 
 @pytest.mark.parametrize("isa", BUILDS)
-def test_verify_forwards_of_changing_widths_look_each_widths_weights_up_once(isa, built, monkeypatch):
-    """Drafted steps change width every few steps: the layers in one kernel call look the weights of each row count up
-    once a block of linear forms (not at every change), and forwards of 3, 1, 3 and 1 tokens stay bitwise the model's
-    own."""
+def test_verify_forwards_of_changing_widths_look_each_forms_weights_up_once(isa, built, monkeypatch):
+    """Drafted steps change width every few steps: the layers in one kernel call look the weights of each form up once
+    a block of linear forms (not at every change, nor for each row count of the form), and forwards of 3, 1, 3 and 1
+    tokens stay bitwise the model's own."""
     import clover_hf.lean_layers as lean
     from clover_hf import verify_forward
     from clover_hf.cache import new_cache
@@ -1064,9 +1064,90 @@ def test_verify_forwards_of_changing_widths_look_each_widths_weights_up_once(isa
 
     got = run()
     layers = model.config.num_hidden_layers
-    assert sorted(looked) == [1] * layers + [3] * layers
+    assert looked == [3] * layers  # 1 row's form is 3 rows': their weights are one lookup
     monkeypatch.setattr(verify_forward, "model_forward", lambda model: None)
     want = run()
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.equal(g, w)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_verify_forwards_that_outgrow_the_caches_stores_point_the_kernels_at_the_new_ones(isa, built, monkeypatch):
+    """The layers in one kernel call keep pointing at the cache's stores while those hold the slots and have room;
+    forwards that outgrow them (stores of 2 spare slots), or follow keys and values a caller set, get new stores, which
+    the kernels are pointed at: the outputs and the cache stay bitwise those of the layers run one by one, and the
+    stores were made anew along the way."""
+    import clover_hf.lean_layers as lean
+    from clover_hf import verify_forward
+    from clover_hf.cache import GrowingLayer, new_cache
+
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
+    monkeypatch.setattr(GrowingLayer, "SPARE", 2)
+    model = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
+    ids = torch.randint(0, 256, (1, 40))
+
+    def run():
+        outs, made = [], set()
+        with torch.no_grad(), lean.lean_layers(model, pack=True), linear_forms(
+                [model], {1 << k: TILED for k in range(5)}, WeightCopies(limit=10**9)):
+            cache = new_cache()
+            model(ids[:, :6], cache=cache, use_cache=True)
+            verify, at = verify_forward.VerifyForward(model, False), 6
+            for width in (1, 3, 1, 4, 4, 2, 1, 5, 1, 6, 3):
+                later = torch.ones(width, at + width, dtype=torch.bool).triu(at + 1)
+                mask = torch.zeros(1, 1, width, at + width, dtype=torch.bfloat16).masked_fill(
+                    later, torch.finfo(torch.bfloat16).min)
+                outs += verify(ids[:, at : at + width], mask, torch.arange(at, at + width)[None], cache)[:2]
+                made.add(cache.layers[0].stores[0].data_ptr())
+                at += width
+                if width == 2:  # a caller sets keys and values of its own: the stores hold them no longer
+                    for layer in cache.layers:
+                        layer.keys, layer.values = layer.keys.clone(), layer.values * 2
+        return outs + [t for layer in cache.layers for t in (layer.keys, layer.values)], made
+
+    got, made = run()
+    assert len(made) > 2  # the stores were outgrown and made anew more than once
+    monkeypatch.setattr(lean._Stack, "__call__", lambda self, *args: None)  # each layer by itself, its stores asked
+    want, _ = run()
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.equal(g, w)
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_the_layers_in_one_call_point_at_their_cache_again_after_a_layer_by_itself_wrote_another(isa, built,
+                                                                                                   monkeypatch):
+    """Between two forwards over one cache in one kernel call, the layers ran one by one over another cache (their
+    kernels pointed at its stores): the next forward points them back, its output and cache bitwise those of the
+    layers run one by one throughout."""
+    import clover_hf.lean_layers as lean
+    from clover_hf import verify_forward
+    from clover_hf.cache import new_cache
+
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
+    model = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
+    ids, other_ids = torch.randint(0, 256, (1, 9)), torch.randint(0, 256, (1, 9))
+    stack = lean._Stack.__call__
+
+    def one_by_one(self, *args):  # the stack refuses: each layer computes by itself
+        return None
+
+    def run(stack):
+        with torch.no_grad(), lean.lean_layers(model, pack=True), linear_forms(
+                [model], {1 << k: TILED for k in range(5)}, WeightCopies(limit=10**9)):
+            caches = new_cache(), new_cache()
+            for cache, prompt in zip(caches, (ids, other_ids)):
+                model(prompt[:, :6], cache=cache, use_cache=True)
+            verify, outs = verify_forward.VerifyForward(model, False), []
+            for at, cache, prompt in ((6, caches[0], ids), (6, caches[1], other_ids), (7, caches[0], ids)):
+                monkeypatch.setattr(lean._Stack, "__call__", stack if cache is caches[0] else one_by_one)
+                mask = torch.ones(1, at + 1, dtype=torch.long)
+                outs += verify(prompt[:, at : at + 1], mask, torch.arange(at, at + 1)[None], cache)[:2]
+        return outs + [t for cache in caches for layer in cache.layers for t in (layer.keys, layer.values)]
+
+    got = run(stack)
+    want = run(one_by_one)
     for g, w in zip(got, want):
         assert g.shape == w.shape and torch.equal(g, w)
 

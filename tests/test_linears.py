@@ -637,15 +637,17 @@ def test_a_member_called_before_its_groups_first_layer_computes_alone_and_keeps_
                for m, out in zip(group, together))
 
 
-def test_a_block_memo_keeps_what_holds_all_block_and_forgets_it_when_another_block_binds():
-    """Weights looked up by row count are kept while the same forwards are bound, for the row counts up to their
-    `steady_rows`; past them, and for nothing found, looked up every time; another block's forwards start afresh."""
+def test_a_block_memo_keeps_what_holds_all_block_once_per_form_and_forgets_it_when_another_block_binds():
+    """Weights looked up for a row count are kept while the same forwards are bound, for the row counts up to their
+    `steady_rows`, once per form (row counts of one form share the lookup); past them, and for nothing found, looked
+    up every time; another block's forwards start afresh."""
     from clover_hf.linears import BlockMemo
 
     def forward():
         pass
 
     forward.steady_rows = 4
+    forward.form_of = lambda rows: {1: "a", 2: "b", 3: "c", 4: "b"}.get(rows, "d")
     looked = []
     memo = BlockMemo()
 
@@ -654,12 +656,14 @@ def test_a_block_memo_keeps_what_holds_all_block_and_forgets_it_when_another_blo
         return None if rows == 3 else [rows]
 
     assert memo.get(forward, 2, look) == [2] and memo.get(forward, 2, look) == [2]
+    assert memo.get(forward, 4, look) == [2]  # the form of 2 rows: its lookup stands
+    assert memo.get(forward, 1, look) == [1] and memo.get(forward, 1, look) == [1]
     assert memo.get(forward, 3, look) is None and memo.get(forward, 3, look) is None
     assert memo.get(forward, 8, look) == [8] and memo.get(forward, 8, look) == [8]
-    assert looked == [2, 3, 3, 8, 8]
+    assert looked == [2, 1, 3, 3, 8, 8]
 
     def other():
         pass
 
     assert memo.get(other, 2, look) == [2] and memo.get(other, 2, look) == [2]  # no steady_rows: none kept
-    assert looked == [2, 3, 3, 8, 8, 2, 2]
+    assert looked == [2, 1, 3, 3, 8, 8, 2, 2]
