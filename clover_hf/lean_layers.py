@@ -303,6 +303,9 @@ class _ModelForward:
         self.parts = (model, inner, inner.embed_tokens, inner.rotary_emb, inner.norm, model.lm_head)
         self.key = (type(model), inner.norm.weight.dtype)
         self.screens = BlockMemo()  # the lm_head's screen by row count, where its product of those rows is tiled
+        # whether the model's mask function returned a 4D mask (a tree's) as given: then later ones skip it (its
+        # checks of the cache took ~0.05 ms a drafted step, Zen 4 EPYC)
+        self.mask_as_given = False
         # whether the last call made the lm_head's screen or ran a process's first check (of the forward or of the
         # screen): its time is no step's cost (on the AVX-512-bf16 EPYC such a step of 3 tokens took 61 ms, not 10)
         self.checked = False
@@ -331,6 +334,8 @@ class _ModelForward:
             # one token of rows without padding sees every key: the mask SDPA skips (a mask of zeros otherwise),
             # which transformers' checks took ~0.17 ms a one-token forward to find (AVX-512-bf16 EPYC, Zen 4)
             causal = None
+        elif self.mask_as_given and mask is not None and mask.dim() == 4:
+            causal = mask
         else:
             try:
                 causal = self.causal_mask(config=inner.config, inputs_embeds=x, attention_mask=mask, cache=cache,
@@ -338,6 +343,8 @@ class _ModelForward:
             except TypeError:  # another transformers version's signature
                 _MODELS_CHECKED[self.key] = False
                 return None
+            if mask is not None and mask.dim() == 4:
+                self.mask_as_given = causal is mask
         out = self.stack(x, causal, inner.rotary_emb(x, position_ids=positions), cache)
         if out is None:
             return None

@@ -1030,17 +1030,22 @@ def test_verify_forwards_of_a_model_whose_layers_run_in_one_call_skip_its_python
 @pytest.mark.parametrize("isa", BUILDS)
 def test_verify_forwards_of_changing_widths_look_each_forms_weights_up_once(isa, built, monkeypatch):
     """Drafted steps change width every few steps: the layers in one kernel call look the weights of each form up once
-    a block of linear forms (not at every change, nor for each row count of the form), and forwards of 3, 1, 3 and 1
-    tokens stay bitwise the model's own."""
+    a block of linear forms (not at every change, nor for each row count of the form), a tree's mask goes through the
+    model's mask function until it is seen returned as given, and forwards of 3, 1, 3 and 1 tokens stay bitwise the
+    model's own."""
     import clover_hf.lean_layers as lean
     from clover_hf import verify_forward
     from clover_hf.cache import new_cache
 
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
-    looked = []
+    looked, masked = [], []
     real_weights = lean._WholeLayer.weights
     monkeypatch.setattr(lean._WholeLayer, "weights", lambda self, rows: looked.append(rows) or real_weights(self, rows))
+    from transformers.models.llama import modeling_llama as llama
+
+    real_mask = llama.create_causal_mask
+    monkeypatch.setattr(llama, "create_causal_mask", lambda **kwargs: masked.append(1) or real_mask(**kwargs))
     model = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
     ids = torch.randint(0, 256, (1, 14))
 
@@ -1065,6 +1070,9 @@ def test_verify_forwards_of_changing_widths_look_each_forms_weights_up_once(isa,
     got = run()
     layers = model.config.num_hidden_layers
     assert looked == [3] * layers  # 1 row's form is 3 rows': their weights are one lookup
+    # the prefill's mask, the first 3-token forward's tree mask (which the model's mask function returned as given) and
+    # the model's own forward that checks it: the second 3-token forward's is not asked
+    assert len(masked) == 3
     monkeypatch.setattr(verify_forward, "model_forward", lambda model: None)
     want = run()
     for g, w in zip(got, want):
