@@ -180,3 +180,29 @@ def _counting(fn, calls: list):
         calls.append(args[0].shape[2])
         return fn(*args, **kwargs)
     return counted
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "phi3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embeddings_from_a_table_are_bitwise_the_modules_own(model_type, dtype):
+    """The lean forward's cos and sin, rows of a table of positions 0..P-1 (grown as positions pass it), equal the
+    rotary module's own call bitwise for rows of consecutive and of tree positions; a rope type whose angles depend on
+    the length (dynamic) is left to the module."""
+    rotary = tiny_model(model_type, dtype=dtype).get_decoder().rotary_emb
+    x = torch.zeros(2, 1, 64, dtype=dtype)
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for width in (1, 2, 3, 5, 8, 11, 16, 17):
+            start = int(torch.randint(0, 700, (1,), generator=generator))
+            for positions in (torch.arange(start, start + width).expand(2, -1),
+                              start + torch.randint(0, 4, (2, width), generator=generator).sort(-1).values):
+                got, want = lean_module.rotary_embeddings(rotary, x, positions), rotary(x, position_ids=positions)
+                assert all(g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want))
+    assert lean_module._ROTARY_TABLES[rotary][1].shape[0] >= 700  # grown past the first table's 256 positions
+
+    dynamic = tiny_model("llama", dtype=dtype, rope_scaling={"rope_type": "dynamic", "factor": 2.0}).get_decoder()
+    called = []
+    dynamic.rotary_emb.register_forward_hook(lambda *args: called.append(1))
+    with torch.inference_mode():
+        lean_module.rotary_embeddings(dynamic.rotary_emb, x, torch.arange(3)[None])
+    assert called == [1] and dynamic.rotary_emb not in lean_module._ROTARY_TABLES
