@@ -81,6 +81,7 @@ _SCREENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lm_head -> 
 # rotary embedding module -> (what its table was made of, cos and sin (P, head_dim) of positions 0..P-1)
 _ROTARY_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 STATIC_ROPE = ("default", "linear", "llama3")  # rope types whose angles do not change with the sequence length
+ROTARY_TABLE_MOST = 1 << 14  # positions a rotary table holds at most (2 MiB at head_dim 64 in bf16): past them, the module
 PACK_QUERIES, PACK_KEYS = 8, 1024  # a few query tokens attend packed (`pack`): this many at most, over this many keys
 TRIAL_TOKENS = 3  # tokens of the input a class's lean forward is checked on, once per process (`_checked`)
 
@@ -450,7 +451,7 @@ def rotary_embeddings(rotary: nn.Module, x: torch.Tensor, positions: torch.Tenso
             or positions.dim() != 2 or not positions.is_cpu or not positions.numel()):
         return rotary(x, position_ids=positions)
     least, most = (int(t) for t in torch.aminmax(positions))
-    if least < 0:
+    if least < 0 or most >= ROTARY_TABLE_MOST:
         return rotary(x, position_ids=positions)
     made = (inv_freq, None if inv_freq.is_inference() else inv_freq._version, x.dtype,
             getattr(rotary, "attention_scaling", None))

@@ -131,11 +131,13 @@ def test_a_call_learns_only_while_ahead_of_plain_by_its_reserve():
 
 
 def test_a_call_whose_forms_become_ready_runs_its_remaining_steps_outside_the_trials(monkeypatch, tmp_path):
-    """A step any of whose products the trials computed (in a form being timed, or in a settled one: the trials
-    compute a layer at a time, outside the decoder layers' one kernel call) is provisional. Bound as the call
+    """A step whose verify forward had any of its products computed by the trials (in a form being timed, or in a
+    settled one: the trials compute a layer at a time, outside the decoder layers' one kernel call) is provisional. Bound as the call
     began, the layers' products of the row counts it learnt ran through the trials to its end; once the forms are
     ready, the call binds them again, and its remaining steps compute none there. Greedy output stays the base's."""
     from clover_hf.choosing import StepBudget
+
+    from clover_hf.verify_forward import VerifyForward
 
     base = tiny_model("llama")
     clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
@@ -143,12 +145,21 @@ def test_a_call_whose_forms_become_ready_runs_its_remaining_steps_outside_the_tr
     ref = base.generate(ids, max_new_tokens=80, do_sample=False)
     monkeypatch.setattr(form_trials, "RESERVE_STEPS", -1e9)  # always ahead of plain: the call may learn
     budget = DraftBudget(cache_dir=tmp_path)
-    through, steps = [0], []  # products the trials computed since the last step; (those, provisional, ready, width)
-    real_product, real_verified = FormTrials.product, StepBudget.verified
+    # products the trials computed in the step's verify forward (the part of a step that is timed: the heads' drafting
+    # before it may compute some too); per step (those, provisional, ready, width)
+    through, steps, verifying = [0], [], [False]
+    real_product, real_verified, real_verify = FormTrials.product, StepBudget.verified, VerifyForward.__call__
 
     def product(self, layer, x, rows):
-        through[0] += 1
+        through[0] += verifying[0]
         return real_product(self, layer, x, rows)
+
+    def verify(self, *args, **kwargs):
+        through[0], verifying[0] = 0, True
+        try:
+            return real_verify(self, *args, **kwargs)
+        finally:
+            verifying[0] = False
 
     def verified(self, rows, width, started, settled=True, provisional=False):
         (trials,) = budget._trials.values()
@@ -158,6 +169,7 @@ def test_a_call_whose_forms_become_ready_runs_its_remaining_steps_outside_the_tr
 
     monkeypatch.setattr(FormTrials, "product", product)
     monkeypatch.setattr(StepBudget, "verified", verified)
+    monkeypatch.setattr(VerifyForward, "__call__", verify)
     assert same(clover.generate(ids, max_new_tokens=80, do_sample=False, budget=budget), ref)
     ready = [i for i, (_, _, now, _) in enumerate(steps) if now]
     assert ready and ready[0] < len(steps) - 1  # ready within the call, with steps after it

@@ -187,7 +187,7 @@ def _counting(fn, calls: list):
 def test_rotary_embeddings_from_a_table_are_bitwise_the_modules_own(model_type, dtype):
     """The lean forward's cos and sin, rows of a table of positions 0..P-1 (grown as positions pass it), equal the
     rotary module's own call bitwise for rows of consecutive and of tree positions; a rope type whose angles depend on
-    the length (dynamic) is left to the module."""
+    the length (dynamic), and positions past the most a table holds, are left to the module."""
     rotary = tiny_model(model_type, dtype=dtype).get_decoder().rotary_emb
     x = torch.zeros(2, 1, 64, dtype=dtype)
     generator = torch.Generator().manual_seed(0)
@@ -199,6 +199,11 @@ def test_rotary_embeddings_from_a_table_are_bitwise_the_modules_own(model_type, 
                 got, want = lean_module.rotary_embeddings(rotary, x, positions), rotary(x, position_ids=positions)
                 assert all(g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want))
     assert lean_module._ROTARY_TABLES[rotary][1].shape[0] >= 700  # grown past the first table's 256 positions
+    far = torch.arange(lean_module.ROTARY_TABLE_MOST, lean_module.ROTARY_TABLE_MOST + 3)[None]
+    with torch.inference_mode():  # past the most a table holds: the module's own call, the table left as it was
+        got, want = lean_module.rotary_embeddings(rotary, x[:1], far), rotary(x[:1], position_ids=far)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert lean_module._ROTARY_TABLES[rotary][1].shape[0] < lean_module.ROTARY_TABLE_MOST
 
     dynamic = tiny_model("llama", dtype=dtype, rope_scaling={"rope_type": "dynamic", "factor": 2.0}).get_decoder()
     called = []
