@@ -121,13 +121,13 @@ class CostModel:
         return sorted({w for w in self.curve(rows) if w < limit and (self.buckets is None or w in self.buckets)}
                       | {limit})
 
-    def staleness(self, rows: int, width: int) -> float:
+    def staleness(self, rows: int, width: int, estimate: float | None = None) -> float:
         """From 0 (timed on the last step) to 1 (the steps timed since, or by this process, took
-        `STALE_COST` times the width's own estimate)."""
+        `STALE_COST` times the width's own estimate: `predict`'s, or `estimate` where the caller has it)."""
         since = self.timed_ms - self.timed_at.get(rows, {}).get(self._bucket(width), 0.0)
-        return min(since / (STALE_COST * self.predict(rows, width)), 1.0)
+        return min(since / (STALE_COST * (self.predict(rows, width) if estimate is None else estimate)), 1.0)
 
-    def price(self, rows: int, width: int) -> float:
+    def price(self, rows: int, width: int, estimate: float | None = None) -> float:
         """The cost to choose by: the estimate, less the longer the width went untimed.
 
         Only chosen widths are timed, so one that looks too dear (a stall was timed, or the machine
@@ -136,7 +136,8 @@ class CostModel:
         best rate, so it wastes at most d times its cost, after the steps since took d / MAX_DOUBT *
         STALE_COST times its cost: each width's retries waste at most MAX_DOUBT / STALE_COST of the
         time (0.125%)."""
-        return self.predict(rows, width) * (1.0 - MAX_DOUBT * self.staleness(rows, width))
+        estimate = self.predict(rows, width) if estimate is None else estimate
+        return estimate * (1.0 - MAX_DOUBT * self.staleness(rows, width, estimate))
 
     def observe(self, rows: int, width: int, ms: float) -> None:
         """Fold one timed step into the estimate for its width. A step slower than twice the estimate
@@ -457,7 +458,7 @@ def choose_width(chances: list[list[float]], costs: CostModel, explore: bool = F
         if options and expected[width] <= options[-1][1]:
             continue  # no more tokens than a narrower width: never worth its cost, however stale its estimate
         ms = costs.predict(rows, width)
-        options.append((width, expected[width], ms, costs.price(rows, width) if explore else ms))
+        options.append((width, expected[width], ms, costs.price(rows, width, ms) if explore else ms))
     if not options:
         return 1, 0.0, 1.0
     width, tokens, ms, cost = max(options, key=lambda o: o[1] / (overhead_ms + o[3]))
