@@ -396,7 +396,7 @@ def top_probabilities(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch
     return top.values, top.indices
 
 
-def _watch(t: torch.Tensor | None) -> tuple | None:
+def watch(t: torch.Tensor | None) -> tuple | None:
     """What identifies a tensor's contents for a cache: the tensor (weakly), its storage and in-place version."""
     if t is None:
         return None
@@ -404,9 +404,10 @@ def _watch(t: torch.Tensor | None) -> tuple | None:
     return weakref.ref(t), storage, t.dtype, t.device, None if t.is_inference() else t._version
 
 
-def _unchanged(watched: list[tuple | None], tensors: list[torch.Tensor | None]) -> bool:
+def unchanged(watched: list[tuple | None], tensors: list[torch.Tensor | None]) -> bool:
+    """Whether `tensors` are those `watch` saw, their contents unchanged."""
     for w, t in zip(watched, tensors):
-        if (w is None) != (t is None) or (t is not None and (w[0]() is not t or w[1:] != _watch(t)[1:])):
+        if (w is None) != (t is None) or (t is not None and (w[0]() is not t or w[1:] != watch(t)[1:])):
             return False
     return True
 
@@ -449,12 +450,12 @@ class DraftHeads(nn.Module):
         int8 = int8 and self.draft_token_ids is not None and DraftLMHead.int8_fits(weight)
         sources = [weight, bias, self.draft_token_ids]
         memo = self._lm_head_rows
-        if memo is None or memo[1] != int8 or not _unchanged(memo[0], sources):
+        if memo is None or memo[1] != int8 or not unchanged(memo[0], sources):
             with torch.inference_mode(False):  # kept past the call that builds them (decoding runs in inference mode)
                 ids = slice(None) if self.draft_token_ids is None else self.draft_token_ids.to(weight.device)
                 rows, bias = dense(weight).detach()[ids], None if bias is None else bias.detach()[ids]
                 rows = DraftLMHead.quantized(rows, bias) if int8 else DraftLMHead(rows, bias)
-            self._lm_head_rows = ([_watch(t) for t in sources], int8, rows)
+            self._lm_head_rows = ([watch(t) for t in sources], int8, rows)
         return self._lm_head_rows[2]
 
     def token_embedding(self, base_model: nn.Module) -> nn.Module:

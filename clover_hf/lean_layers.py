@@ -42,6 +42,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from . import bf16_kernel
 from .base_parts import decoder_layers
 from .cache import GrowingLayer, new_cache
-from .heads import apply_rope
+from .heads import apply_rope, unchanged, watch
 from .linears import BlockMemo, layer_weights
 from .verification import base_forward
 
@@ -78,8 +79,7 @@ _MODELS_CHECKED: dict[tuple, bool] = {}  # (model class, dtype) -> whether `_Mod
 _SCREENS_CHECKED: dict[tuple, bool] = {}  # (model class, dtype[, "top-k"]) -> whether the lm_head's screen chose as
 # its logits do (its argmax, or the columns of a top-k cut)
 _SCREENS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lm_head -> (what it was made of, its screen)
-# rotary embedding module -> (what its table was made of, cos and sin (P, head_dim) of positions 0..P-1)
-_ROTARY_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ROTARY_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # rotary module -> its `_RotaryTable`
 STATIC_ROPE = ("default", "linear", "llama3")  # rope types whose angles do not change with the sequence length
 ROTARY_TABLE_MOST = 1 << 14  # positions a rotary table holds at most (2 MiB at head_dim 64 in bf16): past them, the module
 PACK_QUERIES, PACK_KEYS = 8, 1024  # a few query tokens attend packed (`pack`): this many at most, over this many keys
@@ -221,6 +221,17 @@ def _whole_layer(layer: nn.Module) -> _WholeLayer | None:
     return _WholeLayer(layer)
 
 
+class _Held(NamedTuple):
+    """The cache stores a `_Stack`'s kernels were last pointed at."""
+
+    layers: list  # the cache's layers
+    stores: list[tuple[torch.Tensor, torch.Tensor]]  # each one's keys and values stores
+    slots: int  # the fewest slots of those
+    batch: int
+    pointed: int  # `bf16_kernel.DecoderLayer.pointed` then
+    inference: bool  # whether any store is an inference tensor (written in inference mode only)
+
+
 class _Stack:
     """All of a model's decoder layers in one `bf16_kernel.DecoderStack` call, made by the first layer's forward where
     each layer would run whole (`_WholeLayer`): the layers after it then hand on what they are given, the stack's
@@ -233,9 +244,7 @@ class _Stack:
         # weights were last set for
         self.memo = BlockMemo()  # the layers' weights by rows
         self.out: torch.Tensor | None = None
-        # (the cache's layers, their stores, the fewest slots of those, the batch size, `DecoderLayer.pointed`, whether
-        # any store is an inference tensor, written in inference mode only) as the kernels were last pointed at them
-        self.held: tuple | None = None
+        self.held: _Held | None = None  # the stores the kernels were last pointed at
 
     def add(self, whole: _WholeLayer | None) -> None:
         self.wholes.append(whole)
@@ -255,9 +264,10 @@ class _Stack:
         """Whether the kernels point at the stores the cache's layers hold `length` slots in, with room for `end`: as
         they were pointed at last, no kernel pointed elsewhere since, where they may be written (`reserve_after`)."""
         held = self.held
-        return (held is not None and end <= held[2] and batch == held[3] and held[4] == bf16_kernel.DecoderLayer.pointed
-                and stored[: len(held[0])] == held[0] and (not held[5] or torch.is_inference_mode_enabled())
-                and GrowingLayer.hold(held[0], held[1], length))
+        return (held is not None and end <= held.slots and batch == held.batch
+                and held.pointed == bf16_kernel.DecoderLayer.pointed and stored[: len(held.layers)] == held.layers
+                and (not held.inference or torch.is_inference_mode_enabled())
+                and GrowingLayer.hold(held.layers, held.stores, length))
 
     def __call__(self, x: torch.Tensor, mask: torch.Tensor | None, embeddings: tuple, cache) -> torch.Tensor | None:
         """The last layer's output (kept as `out`), or None (nothing done: the layers compute one by one)."""
@@ -268,7 +278,8 @@ class _Stack:
         rows, tokens = x.numel() // x.shape[-1], x.shape[1]
         forward = self.wholes[0].projections[0].forward  # a new block of linear forms binds new forwards
         # the row counts of a form compute from the same weights (`BlockMemo`): a width of the form last set needs none
-        key = (forward.form_of(rows) if rows <= getattr(forward, "steady_rows", 0) else rows, forward)
+        form = BlockMemo.steady_form(forward, rows)
+        key = (rows if form is None else form, forward)
         if key != self.key:
             self.key = None
             weights = self.memo.get(forward, rows, self._weights)
@@ -285,8 +296,8 @@ class _Stack:
                 if stores is None or not whole.kernel.set_stores(*stores, x.shape[0], end):
                     return None
                 held.append(stores)
-            self.held = (stored[: len(self.wholes)], held, min(keys.shape[-2] for keys, _ in held), x.shape[0],
-                         bf16_kernel.DecoderLayer.pointed, any(keys.is_inference() for keys, _ in held))
+            self.held = _Held(stored[: len(self.wholes)], held, min(keys.shape[-2] for keys, _ in held), x.shape[0],
+                              bf16_kernel.DecoderLayer.pointed, any(keys.is_inference() for keys, _ in held))
         self.out = self.stack(x, *embeddings, length, mask)
         if self.out is not None:
             for layer in stored[: len(self.wholes)]:
@@ -441,6 +452,15 @@ def lm_head_screen(lm_head: nn.Module) -> bf16_kernel.Screen | None:
     return kept[1]
 
 
+class _RotaryTable(NamedTuple):
+    """A rotary module's cos and sin (P, head_dim) of positions 0..P-1, and what they were made of."""
+
+    inv_freq: list  # the module's inv_freq as `heads.watch` saw it
+    made: tuple  # (dtype, attention scaling)
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 def rotary_embeddings(rotary: nn.Module, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`rotary(x, position_ids=positions)`: for a rope type whose angles are fixed (`STATIC_ROPE`), on the CPU, the rows
     of a table the module made of positions 0..P-1 (each position's cos and sin are the same elementwise ops of it,
@@ -453,15 +473,14 @@ def rotary_embeddings(rotary: nn.Module, x: torch.Tensor, positions: torch.Tenso
     least, most = (int(t) for t in torch.aminmax(positions))
     if least < 0 or most >= ROTARY_TABLE_MOST:
         return rotary(x, position_ids=positions)
-    made = (inv_freq, None if inv_freq.is_inference() else inv_freq._version, x.dtype,
-            getattr(rotary, "attention_scaling", None))
+    made = (x.dtype, getattr(rotary, "attention_scaling", None))
     kept = _ROTARY_TABLES.get(rotary)
-    if kept is None or kept[0][0] is not inv_freq or kept[0][1:] != made[1:] or kept[1].shape[0] <= most:
+    if kept is None or kept.made != made or not unchanged(kept.inv_freq, [inv_freq]) or kept.cos.shape[0] <= most:
         with torch.inference_mode(False):  # kept past the call that makes it
             every = torch.arange(1 << max(most, 255).bit_length())[None]
             cos, sin = rotary(torch.empty(1, 1, x.shape[-1], dtype=x.dtype), position_ids=every)
-        kept = _ROTARY_TABLES[rotary] = (made, cos[0], sin[0])
-    return kept[1][positions], kept[2][positions]
+        kept = _ROTARY_TABLES[rotary] = _RotaryTable([watch(inv_freq)], made, cos[0], sin[0])
+    return kept.cos[positions], kept.sin[positions]
 
 
 def model_forward(model: nn.Module) -> _ModelForward | None:

@@ -799,14 +799,20 @@ class BlockMemo:
         self.forward: Callable | None = None
         self.found: dict[str, object] = {}
 
+    @staticmethod
+    def steady_form(forward: Callable, rows: int) -> str | None:
+        """The form `rows` rows compute in, within the block that bound `forward`, where it holds all block
+        (`steady_rows`); else None."""
+        return forward.form_of(rows) if rows <= getattr(forward, "steady_rows", 0) else None
+
     def get(self, forward: Callable, rows: int, look: Callable[[int], object | None]) -> object | None:
         """What `look(rows)` gives (None: nothing to keep), looked up once per form within the block that bound
         `forward` (a product's forward): `look` must depend on `rows` only through the form the block gives them."""
-        if rows > getattr(forward, "steady_rows", 0):
+        form = self.steady_form(forward, rows)
+        if form is None:
             return look(rows)
         if forward is not self.forward:
             self.forward, self.found = forward, {}
-        form = forward.form_of(rows)
         value = self.found.get(form)
         if value is None:
             value = look(rows)

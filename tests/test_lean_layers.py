@@ -198,12 +198,12 @@ def test_rotary_embeddings_from_a_table_are_bitwise_the_modules_own(model_type, 
                               start + torch.randint(0, 4, (2, width), generator=generator).sort(-1).values):
                 got, want = lean_module.rotary_embeddings(rotary, x, positions), rotary(x, position_ids=positions)
                 assert all(g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want))
-    assert lean_module._ROTARY_TABLES[rotary][1].shape[0] >= 700  # grown past the first table's 256 positions
+    assert lean_module._ROTARY_TABLES[rotary].cos.shape[0] >= 700  # grown past the first table's 256 positions
     far = torch.arange(lean_module.ROTARY_TABLE_MOST, lean_module.ROTARY_TABLE_MOST + 3)[None]
     with torch.inference_mode():  # past the most a table holds: the module's own call, the table left as it was
         got, want = lean_module.rotary_embeddings(rotary, x[:1], far), rotary(x[:1], position_ids=far)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
-    assert lean_module._ROTARY_TABLES[rotary][1].shape[0] < lean_module.ROTARY_TABLE_MOST
+    assert lean_module._ROTARY_TABLES[rotary].cos.shape[0] < lean_module.ROTARY_TABLE_MOST
 
     dynamic = tiny_model("llama", dtype=dtype, rope_scaling={"rope_type": "dynamic", "factor": 2.0}).get_decoder()
     called = []
