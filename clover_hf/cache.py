@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import weakref
 
 import torch
 from transformers import DynamicCache, StaticCache
@@ -293,13 +294,33 @@ def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> N
     src = keep[:, start:] + prefix_len
     layers = _layers(cache)
     if moved:  # a growing layer's stores hold its slots: reading its keys would make views only for this
-        tensors = [t for layer in layers
-                   for t in (layer.slot_tensors() if isinstance(layer, GrowingLayer) else (layer.keys, layer.values))]
-        if not bf16_kernel.move_slots(tensors, src, prefix_len + start):
-            for t in tensors:
-                t.narrow(-2, prefix_len + start, moved).copy_(_gather_slots(t, src))
+        pairs = [layer.slot_tensors() if isinstance(layer, GrowingLayer) else (layer.keys, layer.values)
+                 for layer in layers]
+        if not _slot_mover(cache, pairs)(src, prefix_len + start):
+            for keys, values in pairs:
+                for t in (keys, values):
+                    t.narrow(-2, prefix_len + start, moved).copy_(_gather_slots(t, src))
     for layer in layers:
         _set_length(layer, end)
+
+
+def _slot_mover(cache, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
+    """`bf16_kernel.SlotMover` over the keys and values `pairs` of the cache's layers: the cache's last one where its
+    layers hold the same tensors (a growing layer's stores until they grow), else a new one; a mover that moves
+    nothing where the kernel does not take them."""
+    made = _SLOT_MOVERS.get(cache)
+    if made is not None and len(made[0]) == len(pairs) and all(a is b for a, b in zip(made[0], pairs)):
+        return made[1]
+    mover = bf16_kernel.SlotMover.of([t for pair in pairs for t in pair]) or _no_move
+    _SLOT_MOVERS[cache] = (pairs, mover)
+    return mover
+
+
+def _no_move(src: torch.Tensor, dst: int) -> bool:
+    return False
+
+
+_SLOT_MOVERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> (its layers' pairs, their mover)
 
 
 def select_rows(cache: DynamicCache, rows: torch.Tensor, columns: torch.Tensor | None = None) -> None:

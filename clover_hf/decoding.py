@@ -248,6 +248,7 @@ def clover_generate(
         budget = StepBudget.start(clover_budget, plan.key, clover_calibrate, model, batch, plan.widest, plan.depth,
                                   plan.lookup_max, sample, verify, plan.setting, forms_settled)
         clock = _Clock(stats.stage_seconds if clover_profile else None, device)  # the steps' stages, from here
+        dtype = model.dtype  # (transformers' property looks through the parameters)
         while batch.active:
             if plan.trials is not None and not plan.trials.ready():
                 stats.learning_steps += 1
@@ -260,7 +261,7 @@ def clover_generate(
             started, unsettled = time.perf_counter(), 0 if plan.trials is None else plan.trials.unsettled
             width = verify.width(max(d.tokens.shape[0] for d in drafts), room)
             ids, node_pos, allowed = stack_trees(drafts, batch.active, width)
-            mask = batch.attention(node_pos, allowed, model.dtype)
+            mask = batch.attention(node_pos, allowed, dtype)
             logits, hidden, targets, columns = verify(ids, mask, node_pos, batch.cache)
             stats.steps += 1
             clock.lap("verify forward")

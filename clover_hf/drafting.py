@@ -18,12 +18,13 @@ from .tree import DynamicTree, StepTree, TreeBuffers, build_tree, select_dynamic
 class Draft:
     """One row's tree to verify: node tokens (N,) root first, their tree, and for the draft budget the
     heads' probability of each node (N,) and which nodes are the lookup chain's (N,) (found by an
-    `ngram`-token match). `host`: the budget's copy of (depths, parents, probs, is_chain) as lists."""
+    `ngram`-token match). `host`: the budget's copy of (depths, parents, probs, is_chain) as lists; a draft cut by
+    the budget has them there alone (probs and is_chain None)."""
 
     tokens: torch.Tensor
     tree: TreeBuffers | StepTree
-    probs: torch.Tensor
-    is_chain: torch.Tensor
+    probs: torch.Tensor | None
+    is_chain: torch.Tensor | None
     ngram: int
     host: tuple[list[int], list[int], list[float], list[bool]] | None = None
 
@@ -46,12 +47,12 @@ class Draft:
         index = torch.tensor(nodes, device=self.tokens.device)
         tree = cut_shape(tuple(kept_parents), tuple(kept_depths), self.tokens.device)
         host = (kept_depths, kept_parents, [probs[i] for i in nodes], [is_chain[i] for i in nodes])
-        return Draft(self.tokens[index], tree, self.probs[index], self.is_chain[index], self.ngram, host)
+        return Draft(self.tokens[index], tree, None, None, self.ngram, host)
 
     def root_only(self) -> "Draft":
         """The draft cut to its root: a plain decoding step (its one-node tree is built once)."""
         tree, _ = chain_shape(1, self.tokens.device)
-        return Draft(self.tokens[:1], tree, self.probs[:1], self.is_chain[:1], self.ngram, ([0], [0], [1.0], [False]))
+        return Draft(self.tokens[:1], tree, None, None, self.ngram, ([0], [0], [1.0], [False]))
 
 
 def catch_up(heads: DraftHeads, row) -> int:
@@ -183,8 +184,9 @@ def no_deeper(draft: Draft, depth: int) -> Draft:
         return draft
     n = int((draft.tree.depths <= depth).sum())
     host = None if draft.host is None else tuple(part[:n] for part in draft.host)
+    probs, is_chain = ((None, None) if draft.probs is None else (draft.probs[:n], draft.is_chain[:n]))
     return Draft(draft.tokens[:n], StepTree.from_parents(draft.tree.parents[:n], draft.tree.depths[:n], depth),
-                  draft.probs[:n], draft.is_chain[:n], draft.ngram, host)
+                  probs, is_chain, draft.ngram, host)
 
 
 def draft_rows(rows: list, heads: DraftHeads | None, spec, trees: list[TreeBuffers] | None, chain_len: int | None,

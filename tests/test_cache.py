@@ -203,13 +203,13 @@ def test_compaction_in_the_kernel_moves_what_torch_moves(monkeypatch):
     if not bf16_kernel.cpu_supports() or bf16_kernel._compiler() is None or not bf16_kernel.available():
         pytest.skip("no kernel on this CPU")
     moved = []
-    real, library = bf16_kernel.move_slots, bf16_kernel._library
+    real, library = bf16_kernel.SlotMover.__call__, bf16_kernel._library
 
-    def move_slots(*args):
-        moved.append(real(*args))
+    def move(mover, *args):
+        moved.append(real(mover, *args))
         return moved[-1]
 
-    monkeypatch.setattr(bf16_kernel, "move_slots", move_slots)
+    monkeypatch.setattr(bf16_kernel.SlotMover, "__call__", move)
     keep = torch.tensor([[0, 2, 3, 5], [1, 4, 0, 0]])
     for dtype in (torch.float32, torch.bfloat16):
         for kind in (DynamicCache, new_cache):
@@ -226,4 +226,40 @@ def test_compaction_in_the_kernel_moves_what_torch_moves(monkeypatch):
                 assert ours.keys.shape == (2, 2, 9, 3)
                 for t, u in ((ours.keys, torchs.keys), (ours.values, torchs.values)):  # row 1's last two: padding
                     assert torch.equal(t[0], u[0]) and torch.equal(t[1, :, :7], u[1, :, :7])
-    assert moved == [True, False] * 4
+    assert moved == [True] * 4  # (never made where the kernel is not loaded)
+
+
+def test_compaction_keeps_the_kernels_pointers_while_the_stores_hold_and_reads_them_again_after_they_grow(
+        monkeypatch):
+    """A growing cache's compactions move slots through one `SlotMover` while its layers hold the same stores; once
+    they grow (new tensors) or a caller replaces a layer's keys, a new one reads the new tensors' addresses, and the
+    kept slots hold what they should (moves through the old pointers would have written the old stores)."""
+    from clover_hf import bf16_kernel
+
+    if not bf16_kernel.cpu_supports() or bf16_kernel._compiler() is None or not bf16_kernel.available():
+        pytest.skip("no kernel on this CPU")
+    made = []
+    real = bf16_kernel.SlotMover.of.__func__
+    monkeypatch.setattr(bf16_kernel.SlotMover, "of",
+                        classmethod(lambda cls, tensors: made.append(real(cls, tensors)) or made[-1]))
+    cache = new_cache()
+    _step(cache, 0, 4)
+    expected, grown, stores = [0.0, 1.0, 2.0, 3.0], 0, cache.layers[0].stores
+    for step in range(100):  # a verify step of 6 nodes, keeping the root and two more
+        start = 10_000 + 10 * step
+        _step(cache, start, 6)
+        compact_cache(cache, len(expected), torch.tensor([[0, 2, 5]] * 2))
+        expected += [start, start + 2, start + 5]
+        assert _positions(cache.layers[0]) == expected
+        assert _positions(cache.layers[1]) == [1000 + v for v in expected]
+        grown += cache.layers[0].stores is not stores
+        stores = cache.layers[0].stores
+    assert grown >= 2 and len(made) == grown + 1 and None not in made
+    layer = cache.layers[1]
+    layer.keys, layer.values = layer.keys.clone(), layer.values.clone()  # a caller's own: no longer the stores
+    for step in range(2):
+        start = 20_000 + 10 * step
+        _step(cache, start, 6)
+        compact_cache(cache, len(expected), torch.tensor([[0, 4]] * 2))
+        expected += [start, start + 4]
+        assert _positions(cache.layers[0]) == expected and _positions(layer) == [1000 + v for v in expected]
