@@ -524,6 +524,10 @@ def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | Non
     # the kernel's attention stands in for SDPA's or eager attention (the same softmax(q k^T * scaling + mask) v), with
     # a mask, or for one token without (it sees every key; several would need the causal mask SDPA implies)
     attend = bf16_kernel.attention if kernel and attention in (sdpa_attention_forward, eager) else None
+    # and for SDPA's causal attention without a mask (a prompt's over an empty cache), as transformers' SDPA forward
+    # asks for it (its keys then are the prompt's own: queries and keys aligned)
+    causal = (attend is not None and attention is sdpa_attention_forward and getattr(attn, "is_causal", True) is True
+              and not extra.get("sliding_window"))
     # the whole layer in one call where each of its parts has a kernel call of its own, and all the model's layers in
     # one from the first where they all do (`stack`)
     whole = (_whole_layer(layer) if attend is not None and silu_mul is not None and add_norm is not None
@@ -571,6 +575,9 @@ def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | Non
         out = None
         if attend is not None and (attention_mask is not None or query.shape[2] == 1):
             out = attend(query, key, value, attention_mask, scaling)
+        elif causal and attention_mask is None and key.shape[-2] == query.shape[2] and kwargs.get("is_causal") in (
+                None, True):
+            out = attend(query, key, value, None, scaling, causal=True)
         if out is None:
             out = torchs_attention(query, key, value, attention_mask, kwargs)
         attended = o_proj.forward(out.reshape(*input_shape, -1).contiguous())

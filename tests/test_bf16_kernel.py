@@ -426,6 +426,34 @@ def test_the_kernels_attention_reads_keys_and_values_as_views_of_a_larger_cache(
     assert torch.equal(bf16_kernel.attention(query, *turned, mask, 0.125), want)
 
 
+@pytest.mark.parametrize("isa", BUILDS)
+def test_the_kernels_causal_attention_is_bitwise_its_attention_under_the_causal_mask(isa, built, monkeypatch):
+    """Causal attention without a mask (query t sees keys 0..K - T + t: a prompt's tokens over an empty cache, K = T,
+    or over a cache holding K - T keys before them) is bitwise the attention under that mask: each pass over a few
+    query rows reads only the keys its last row sees, and the keys it skips add nothing. Token counts within one pass
+    and over several, passes that span two query heads, one row and several, and as close to float64 as SDPA's own
+    causal attention."""
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    torch.manual_seed(0)
+    for batch, heads, kv_heads, tokens, keys, dim in ((1, 9, 3, 60, 60, 64), (1, 9, 3, 5, 5, 64), (2, 4, 2, 37, 37, 32),
+                                                      (1, 8, 8, 19, 19, 128), (1, 9, 3, 7, 40, 64), (1, 2, 1, 1, 1, 64),
+                                                      (1, 9, 3, 250, 250, 64)):
+        query = torch.randn(batch, heads, tokens, dim).to(torch.bfloat16)
+        key, value = (torch.randn(batch, kv_heads, keys, dim).to(torch.bfloat16) for _ in range(2))
+        unseen = torch.ones(tokens, keys, dtype=torch.bool).triu(keys - tokens + 1)
+        mask = torch.zeros(batch, 1, tokens, keys, dtype=torch.bfloat16).masked_fill(unseen, float("-inf"))
+        causal = bf16_kernel.attention(query, key, value, None, dim**-0.5, causal=True)
+        assert torch.equal(causal, bf16_kernel.attention(query, key, value, mask, dim**-0.5)), (tokens, keys)
+        if keys == tokens:
+            exact = _attention_in_float64(query, key, value, mask, dim**-0.5)
+            sdpa = F.scaled_dot_product_attention(query, key, value, is_causal=True, enable_gqa=True).transpose(1, 2)
+            assert (causal.double() - exact).abs().max() <= 1.5 * (sdpa.double() - exact).abs().max() + 1e-3
+    query, key = torch.randn(1, 4, 6, 64).to(torch.bfloat16), torch.randn(1, 2, 6, 64).to(torch.bfloat16)
+    assert bf16_kernel.attention(query, key, key, torch.zeros(1, 1, 6, 6, dtype=torch.bfloat16), 0.125,
+                                 causal=True) is None  # a mask of its own, or fewer keys than queries: not causal here
+    assert bf16_kernel.attention(query, key[:, :, :5], key[:, :, :5], None, 0.125, causal=True) is None
+
+
 def test_the_kernels_attention_leaves_what_it_does_not_take_to_sdpa(built, monkeypatch):
     """Float32 inputs, a head size it has no form for, a mask of another shape or a boolean one: None, so that SDPA
     attends."""
@@ -453,8 +481,8 @@ def _record_attention(monkeypatch) -> list[int]:
     calls = []
     real = bf16_kernel.attention
 
-    def attention(*args):
-        out = real(*args)
+    def attention(*args, **kwargs):
+        out = real(*args, **kwargs)
         if out is not None:
             calls.append(args[0].shape[2])
         return out
@@ -465,9 +493,10 @@ def _record_attention(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_lean_layers_attend_in_the_kernel_only_where_asked_in_bf16(arch, monkeypatch):
-    """With `pack` in bf16, the decoder layers' attention runs in the kernel where it has attention: a forward of 3
-    tokens under an explicit mask (as verify forwards pass one), and one token over the cache without a mask (a
-    causal prefill without a mask stays SDPA's); the logits stay close to the model's own."""
+    """With `pack` in bf16, the decoder layers' attention runs in the kernel where it has attention: a prefill of 6
+    tokens without a mask (causal, as SDPA's forward takes it), a forward of 3 tokens under an explicit mask (as
+    verify forwards pass one), and one token over the cache without a mask; the logits stay close to the model's
+    own."""
     from clover_hf.lean_layers import lean_layers
 
     if not _kernel_attends():
@@ -482,15 +511,17 @@ def test_lean_layers_attend_in_the_kernel_only_where_asked_in_bf16(arch, monkeyp
 
         def run():
             with torch.no_grad():
-                cache = model(ids[:, :6], use_cache=True).past_key_values
-                three = model(ids[:, 6:9], attention_mask=mask, cache=cache, position_ids=torch.arange(6, 9)[None])
-                return three.logits.float(), model(ids[:, 9:], cache=three.past_key_values).logits.float()
+                six = model(ids[:, :6], use_cache=True)
+                three = model(ids[:, 6:9], attention_mask=mask, cache=six.past_key_values,
+                              position_ids=torch.arange(6, 9)[None])
+                return (six.logits.float(), three.logits.float(),
+                        model(ids[:, 9:], cache=three.past_key_values).logits.float())
 
         want = run()
         with lean_layers(model, pack=pack):
             got = run()
         if dtype == torch.bfloat16 and pack:
-            assert sorted(calls) == [1, 1, 3, 3]  # both layers, the masked forward and the one-token one
+            assert sorted(calls) == [1, 1, 3, 3, 6, 6]  # both layers: the prefill, the masked forward, one token
             assert all(torch.allclose(g, w, atol=0.05, rtol=0.05) for g, w in zip(got, want))
         else:
             assert not calls and all(torch.equal(g, w) for g, w in zip(got, want))

@@ -851,16 +851,28 @@ static void merge_parts(const float* partial, int parts, int n, int D, uint16_t*
 
 /* out (B, T, H, D) = softmax(scale * q k^T + mask) v for queries q (B, H, T, D) and keys and values k, v
  * (B, G, K, D), each key/value head serving H / G query heads; mask (B, 1, T, K) additive, float32 (mask_bf16 0)
- * or bf16 (1), or NULL (every key seen). D a multiple of 32, at most 256. A head's keys (values) are K rows of D
- * values one after another; heads lie kv_head values apart and batch rows kv_row apart (views of a larger cache).
+ * or bf16 (1), or NULL (every key seen, or with `causal` query t the keys up to K - T + t). D a multiple of 32, at
+ * most 256. A head's keys (values) are K rows of D values one after another; heads lie kv_head values apart and
+ * batch rows kv_row apart (views of a larger cache). Causal rows read no key past the last their pass's rows see.
  * Returns 1 where memory ran out. */
 int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, long kv_row, long kv_head,
-                   const void* mask, int mask_bf16, uint16_t* out, int B, int H, int G, int T, int K, int D, float scale,
-                   int threads) {
+                   const void* mask, int mask_bf16, int causal, uint16_t* out, int B, int H, int G, int T, int K, int D,
+                   float scale, int threads) {
     int group = H / G, rows = group * T;
     int chunks = (rows + ATT_ROWS - 1) / ATT_ROWS, parts = 1;
+    /* a causal row's mask: the slice of K zeros then K -infinities that starts K - (keys it sees) in */
+    float* seen = NULL;
+    if (causal) {
+        mask = NULL;
+        mask_bf16 = 0;
+        seen = malloc(sizeof(float) * 2 * (size_t)K);
+        if (!seen)
+            return 1;
+        for (int j = 0; j < 2 * K; j++)
+            seen[j] = j < K ? 0.0f : -INFINITY;
+    }
     /* fewer heads' rows than twice the threads (one token's 3 key/value heads over 2 threads): their keys split */
-    if (threads > 1 && B * G * chunks < 2 * threads) {
+    if (!causal && threads > 1 && B * G * chunks < 2 * threads) {
         parts = (2 * threads + B * G * chunks - 1) / (B * G * chunks);
         parts = parts > K / PART_KEYS ? K / PART_KEYS : parts;
         parts = parts < 1 ? 1 : parts;
@@ -872,6 +884,7 @@ int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, long
     if ((per_head && !kt) || (parts > 1 && !partial)) {
         free(kt);
         free(partial);
+        free(seen);
         return 1;
     }
     int failed = 0;
@@ -900,17 +913,23 @@ int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, long
             const uint16_t* q_at[ATT_ROWS];
             const void* mask_at[ATT_ROWS];
             uint16_t* o_at[ATT_ROWS];
+            int seen_most = 0;  /* with `causal`: the most keys a row here sees */
             for (int i = 0; i < n; i++) {
                 int h = g * group + (r0 + i) / T, t = (r0 + i) % T;
                 q_at[i] = q + (((size_t)b * H + h) * T + t) * D;
                 size_t m = ((size_t)b * T + t) * K;
                 mask_at[i] = !mask ? 0 : mask_bf16 ? (const void*)((const uint16_t*)mask + m) : (const void*)((const float*)mask + m);
+                if (causal) {
+                    int keys_seen = K - T + t + 1;
+                    mask_at[i] = seen + (K - keys_seen);
+                    seen_most = keys_seen > seen_most ? keys_seen : seen_most;
+                }
                 o_at[i] = out + (((size_t)b * T + t) * H + h) * D;
             }
             const uint16_t *keys = k + (size_t)b * kv_row + (size_t)g * kv_head, *values = v + (size_t)b * kv_row + (size_t)g * kv_head;
             if (parts == 1) {
-                attend_rows(q_at, mask_at, mask_bf16, o_at, n, keys, kt ? kt + (size_t)bg * per_head : NULL, values, K, D,
-                            scale, scores);
+                attend_rows(q_at, mask_at, mask_bf16, o_at, n, keys, kt ? kt + (size_t)bg * per_head : NULL, values,
+                            causal ? seen_most : K, D, scale, scores);
                 continue;
             }
             float* results = partial + (size_t)item * PARTIAL(D);
@@ -936,6 +955,7 @@ int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, long
     }
     free(kt);
     free(partial);
+    free(seen);
     return failed;
 }
 
@@ -1245,7 +1265,7 @@ static int decoder_layer(const struct layer_args* a, const struct step_args* st,
                 memcpy(a->values + slot, qkv + ((size_t)b * st->T + t) * qkv_out + q_out + (size_t)(a->Hk + g) * hd,
                        sizeof(uint16_t) * hd);
             }
-    failed |= bf16_attention(q, a->keys, a->values, a->kv_row, a->kv_head, st->mask, st->mask_bf16, att, st->B, a->Hq,
+    failed |= bf16_attention(q, a->keys, a->values, a->kv_row, a->kv_head, st->mask, st->mask_bf16, 0, att, st->B, a->Hq,
                              a->Hk, st->T, st->length + st->T, hd, a->scale, a->threads);
     failed |= bf16_rows(att, a->o, a->o_bias, h, R, q_out, D, a->threads);
     bf16_add_rms_norm(x, h, summed, a->norm_post, mixed_in, R, D, a->eps);
