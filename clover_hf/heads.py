@@ -221,10 +221,9 @@ class AugmentLayer(nn.Module):
 
     def _kernel_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
         """Causal attention of the new positions (B, heads, T, hd) over the cache and themselves, by `bf16_kernel`
-        (B, T, heads, hd); None where it has none."""
-        T, length = q.shape[2], k.shape[2]
-        mask = _later_keys(T, length, q.dtype).expand(q.shape[0], 1, T, length) if T > 1 else None
-        return bf16_kernel.attention(q, k, v, mask, self.head_dim**-0.5)
+        (B, T, heads, hd), reading for each few query rows only the keys they see (a long prompt's first catch-up
+        over all its positions); None where it has none."""
+        return bf16_kernel.attention(q, k, v, None, self.head_dim**-0.5, causal=q.shape[2] > 1)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None
                    ) -> torch.Tensor:
