@@ -127,7 +127,8 @@ class LayerArgs(ctypes.Structure):
                 *((name, ctypes.c_int) for name in ("D", "Hq", "Hk", "hd", "F")),
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("threads", ctypes.c_int),
                 ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("kv_row", ctypes.c_long),
-                ("kv_head", ctypes.c_long)]
+                ("kv_head", ctypes.c_long), ("layout", ctypes.c_void_p), ("layout_head", ctypes.c_long),
+                ("laid", ctypes.c_void_p)]
 
 
 class StepArgs(ctypes.Structure):
@@ -175,10 +176,12 @@ def load(isa: str, cache_dir: Path | None = None) -> ctypes.CDLL:
     lib.bf16_rope.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 4 + [
         ctypes.c_int] * 5
     lib.bf16_rope.restype = None
-    lib.bf16_attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [ctypes.c_void_p, ctypes.c_int,
-                                                                                   ctypes.c_int, ctypes.c_void_p] + [
-        ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.bf16_attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 2 + [
+        ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p
+    ] + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.bf16_attention.restype = ctypes.c_int
+    lib.bf16_key_layout.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.bf16_key_layout.restype = ctypes.c_long
     lib.bf16_cosine_gate.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3 + [ctypes.c_float]
     lib.bf16_cosine_gate.restype = None
     lib.move_slots.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3 + [ctypes.c_long, ctypes.c_void_p,
@@ -656,8 +659,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     out = torch.empty(batch, tokens, heads, dim, dtype=bf16)
     mask_at, mask_bf16 = (None, 0) if mask is None else (mask.data_ptr(), int(mask.dtype is bf16))
     failed = _library.bf16_attention(query.data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1),
-                                     mask_at, mask_bf16, int(causal), out.data_ptr(), batch, heads, kv[1], tokens, length,
-                                     dim, scale, torch.get_num_threads())
+                                     mask_at, mask_bf16, int(causal), None, 0, None, out.data_ptr(), batch, heads, kv[1],
+                                     tokens, length, dim, scale, torch.get_num_threads())
     if failed > 0:
         raise MemoryError("bf16_kernel: no memory for attention's scores")
     return None if failed else out
@@ -679,6 +682,32 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     _library.bf16_silu_mul(gate.data_ptr(), g_row, up.data_ptr(), u_row, out.data_ptr(), gate.numel() // max(width, 1),
                            width)
     return out
+
+
+class KeyLayout:
+    """A cache layer's keys as the kernel's attention reads them (AVX-512 build: 16 keys' bf16 pairs side by side),
+    kept beside its key store and extended as keys are added, with how many slots are laid out (`laid`, which the
+    kernel sets). Laying out every key again at every forward took ~40% of a one-token forward's attention (Zen 4
+    EPYC). The kernel lays out again from the slots a forward writes, and from those a forward before it wrote (a
+    verify forward's tree, compacted after it); other writers of the store call `written`."""
+
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys = keys  # the store it is for
+        batch, heads, slots, dim = keys.shape
+        laid_out = _library is not None and keys.dtype is torch.bfloat16 and keys.is_cpu and keys.dim() == 4
+        self.head = _library.bf16_key_layout(slots, dim) if laid_out else 0  # uint32s a head
+        # None where the build reads the keys as they lie
+        self.words = torch.empty(batch * heads * self.head, dtype=torch.int32) if self.head else None
+        self.laid = ctypes.c_int32(0)
+
+    @classmethod
+    def of(cls, keys: torch.Tensor, made: "KeyLayout | None") -> "KeyLayout":
+        """`made` where it is for the store `keys`, else a new one."""
+        return made if made is not None and made.keys is keys else cls(keys)
+
+    def written(self, slot: int) -> None:
+        """Keys from `slot` on were written by others than the kernel: laid out again when next read."""
+        self.laid.value = min(self.laid.value, slot)
 
 
 class DecoderLayer:
@@ -723,10 +752,14 @@ class DecoderLayer:
         a.F = width
         return True
 
-    def set_stores(self, keys: torch.Tensor, values: torch.Tensor, batch: int, end: int) -> bool:
+    def set_stores(self, keys: torch.Tensor, values: torch.Tensor, batch: int, end: int,
+                   layout: KeyLayout | None = None) -> bool:
         """Point the args at these cache stores (B, key_heads, slots, head_dim), which must hold `end` slots for
-        `batch` rows; False where they are not of that form."""
-        if len(self.stores) == 2 and keys is self.stores[0] and values is self.stores[1]:
+        `batch` rows, and the keys' `layout` beside them (None: laid out at each call); False where they are not of
+        that form."""
+        if layout is not None and (layout.keys is not keys or layout.words is None):
+            layout = None
+        if len(self.stores) == 3 and keys is self.stores[0] and values is self.stores[1] and layout is self.stores[2]:
             return end <= keys.shape[2] and keys.shape[0] == batch
         a, bf16 = self.args, torch.bfloat16
         if not (keys.dim() == 4 and keys.shape == values.shape and keys.shape[0] == batch and keys.shape[1] == a.Hk
@@ -734,20 +767,22 @@ class DecoderLayer:
                 and keys.is_contiguous() and values.is_contiguous() and keys.is_cpu and values.is_cpu):
             self.stores = ()
             return False
-        self.stores = (keys, values)
+        self.stores = (keys, values, layout)
         DecoderLayer.pointed += 1
         a.keys, a.values, a.kv_row, a.kv_head = keys.data_ptr(), values.data_ptr(), keys.stride(0), keys.stride(1)
+        a.layout, a.layout_head, a.laid = ((None, 0, None) if layout is None else
+                                           (layout.words.data_ptr(), layout.head, ctypes.addressof(layout.laid)))
         return True
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  weights: list[tuple[torch.Tensor, torch.Tensor | None]], keys: torch.Tensor, values: torch.Tensor,
-                 length: int, mask: torch.Tensor | None) -> torch.Tensor | None:
+                 length: int, mask: torch.Tensor | None, layout: KeyLayout | None = None) -> torch.Tensor | None:
         """The layer's output for x (B, T, D), by cos and sin (B, T, head_dim), writing the T new keys and values into
-        slots `length` on of the stores `keys` and `values` (B, key_heads, slots, head_dim), under `mask` (B, 1, T,
-        length + T) additive, or None for one token that sees every key. None (nothing written) where the inputs are
-        not of that form."""
+        slots `length` on of the stores `keys` and `values` (B, key_heads, slots, head_dim) (and the keys' `layout`),
+        under `mask` (B, 1, T, length + T) additive, or None for one token that sees every key. None (nothing written)
+        where the inputs are not of that form."""
         if x.dim() != 3 or not self.set_weights(weights) or not self.set_stores(keys, values, x.shape[0],
-                                                                                 length + x.shape[1]):
+                                                                                 length + x.shape[1], layout):
             return None
         return self.alone(x, cos, sin, length, mask)
 
@@ -876,11 +911,13 @@ class Features:
                  tables: tuple[torch.Tensor, torch.Tensor], length: int,
                  projections: list[tuple[torch.Tensor, torch.Tensor | None]],
                  weights: list[list[tuple[torch.Tensor, torch.Tensor | None]]],
-                 stores: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor | None:
+                 stores: list[tuple[torch.Tensor, torch.Tensor]], layouts: list[KeyLayout | None] | None = None
+                 ) -> torch.Tensor | None:
         """The last position's feature (D,) for bf16 `hidden` and `embeds` (1, T, D) at `positions` (1, T), whose
         rotary cos and sin are rows of `tables` (P, head_dim), each layer (`weights` as `DecoderLayer.set_weights`
-        takes them) writing its T new keys and values into its `stores` from slot `length` on. None (nothing written)
-        where the inputs are not of that form or a position is not in the tables."""
+        takes them) writing its T new keys and values into its `stores` from slot `length` on (and their keys'
+        `layouts`, where given). None (nothing written) where the inputs are not of that form or a position is not in
+        the tables."""
         dim, bf16, layers = self.args.D, torch.bfloat16, self.stack.layers
         if not (hidden.dim() == 3 and hidden.shape == embeds.shape and hidden.shape[0] == 1 and hidden.shape[2] == dim
                 and hidden.dtype is bf16 and embeds.dtype is bf16 and hidden.is_cpu and embeds.is_cpu
@@ -891,8 +928,9 @@ class Features:
                 and cos.shape == sin.shape and cos.dim() == 2 and cos.shape[1] == layers[0].args.hd
                 and cos.dtype is bf16 and sin.dtype is bf16 and cos.is_contiguous() and sin.is_contiguous()):
             return None
-        for layer, weight, (keys, values) in zip(layers, weights, stores):
-            if not (layer.args.D == dim and layer.set_weights(weight) and layer.set_stores(keys, values, 1, length + tokens)):
+        for layer, weight, (keys, values), layout in zip(layers, weights, stores, layouts or [None] * len(stores)):
+            if not (layer.args.D == dim and layer.set_weights(weight)
+                    and layer.set_stores(keys, values, 1, length + tokens, layout)):
                 return None
         hidden, embeds, positions = _contiguous(hidden), _contiguous(embeds), _contiguous(positions)
         feature = torch.empty(dim, dtype=bf16)

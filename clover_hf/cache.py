@@ -51,6 +51,7 @@ class GrowingLayer(DynamicLayer):
 
     SPARE = 128
     _length: int | None = None  # where set_length left the keys and values the stores' first slots, not yet cut
+    _key_layout: bf16_kernel.KeyLayout | None = None  # the kernel's layout of the key store (`key_layout`)
 
     keys = _CutView()
     values = _CutView()
@@ -74,8 +75,18 @@ class GrowingLayer(DynamicLayer):
         key_store, value_store = self._room(end, key_states, value_states)
         key_store.narrow(2, length, end - length).copy_(key_states)
         value_store.narrow(2, length, end - length).copy_(value_states)
+        if self._key_layout is not None:
+            self._key_layout.written(length)
         self.set_length(end)
         return self.keys, self.values
+
+    def key_layout(self) -> bf16_kernel.KeyLayout | None:
+        """The kernel's layout of the key store's keys (`bf16_kernel.KeyLayout`), made for the stores as they are;
+        None where the layer holds no stores."""
+        if self.stores is None:
+            return None
+        self._key_layout = bf16_kernel.KeyLayout.of(self.stores[0], self._key_layout)
+        return self._key_layout
 
     def reserve(self, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The stores, holding the keys and values so far and room for `end` slots, for a caller that writes the new
@@ -111,7 +122,7 @@ class GrowingLayer(DynamicLayer):
         inputs."""
         length = self.get_seq_length()
         stores = self.reserve(length + x.shape[1]) if x.dim() == 3 else None
-        out = None if stores is None else layer(x, cos, sin, weights, *stores, length, mask)
+        out = None if stores is None else layer(x, cos, sin, weights, *stores, length, mask, self.key_layout())
         if out is not None:
             self.set_length(length + x.shape[1])
         return out

@@ -543,7 +543,8 @@ class CloverHeads(DraftHeads):
             return None
         layer = self.augment[0]
         tables = _position_table(length + rows, layer.head_dim, layer.rope_theta, hidden.dtype)
-        feature = features(hidden, next_embeds, positions, tables, length, *weights, stores)
+        feature = features(hidden, next_embeds, positions, tables, length, *weights, stores,
+                           [stored.key_layout() for stored in cache.layers])
         if feature is not None:
             for stored in cache.layers:
                 stored.set_length(length + rows)

@@ -293,7 +293,7 @@ class _Stack:
             held = []
             for whole, layer in zip(self.wholes, stored):
                 stores = layer.reserve_after(length, end) if isinstance(layer, GrowingLayer) else None
-                if stores is None or not whole.kernel.set_stores(*stores, x.shape[0], end):
+                if stores is None or not whole.kernel.set_stores(*stores, x.shape[0], end, layer.key_layout()):
                     return None
                 held.append(stores)
             self.held = _Held(stored[: len(self.wholes)], held, min(keys.shape[-2] for keys, _ in held), x.shape[0],

@@ -1191,6 +1191,86 @@ def test_the_layers_in_one_call_point_at_their_cache_again_after_a_layer_by_itse
         assert g.shape == w.shape and torch.equal(g, w)
 
 
+@pytest.mark.parametrize("isa", BUILDS)
+def test_the_keys_laid_out_beside_the_cache_are_laid_out_again_where_they_changed(isa, built, monkeypatch):
+    """The AVX-512 build keeps each layer's keys laid out for its attention beside the cache (`KeyLayout`) and lays out
+    only the slots written since: verify forwards whose trees are compacted (kept nodes moved back), a forward of the
+    layers in torch's ops (their keys written by the cache's update), a cache cut back and written again, and stores
+    outgrown (2 spare slots): outputs and cache bitwise those with the keys laid out afresh at every call."""
+    import clover_hf.lean_layers as lean
+    from clover_hf import verify_forward
+    from clover_hf.cache import GrowingLayer, compact_cache, new_cache
+
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
+    monkeypatch.setattr(GrowingLayer, "SPARE", 2)
+    model = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
+    ids = torch.randint(0, 256, (1, 200))
+    stack, whole = lean._Stack.__call__, lean._WholeLayer.__call__
+
+    def run():
+        outs, crossed, grown, last = [], False, 0, None
+        with torch.no_grad(), lean.lean_layers(model, pack=True), linear_forms(
+                [model], {1 << k: TILED for k in range(5)}, WeightCopies(limit=10**9)):
+            cache = new_cache()
+            model(ids[:, :20], cache=cache, use_cache=True)
+            verify, at = verify_forward.VerifyForward(model, False), 20
+            for step, width in enumerate((4, 1, 19, 3, 5, 2, 7, 1, 15, 4, 9, 2, 5, 9, 3, 7, 9)):
+                if step in (4, 8):  # the layers in torch's ops: the cache's update writes the keys
+                    monkeypatch.setattr(lean._Stack, "__call__", lambda self, *args: None)
+                    monkeypatch.setattr(lean._WholeLayer, "__call__", lambda self, *args: None)
+                later = torch.ones(width, at + width, dtype=torch.bool).triu(at + 1)
+                mask = torch.zeros(1, 1, width, at + width, dtype=torch.bfloat16).masked_fill(
+                    later, torch.finfo(torch.bfloat16).min)
+                outs += verify(ids[:, at : at + width], mask, torch.arange(at, at + width)[None], cache)[:2]
+                store = cache.layers[0].stores[0]
+                grown, last = grown + (last is not None and store is not last), store
+                if step not in (4, 8) and cache.layers[0]._key_layout is not None and isa == "avx512_bf16":
+                    # laid out up to this forward's new keys, whose slots compaction may change
+                    assert all(layer._key_layout.laid.value == at for layer in cache.layers), step
+                monkeypatch.setattr(lean._Stack, "__call__", stack)
+                monkeypatch.setattr(lean._WholeLayer, "__call__", whole)
+                keep = torch.tensor([list(range(0, width, 2))])  # every other node: those after the root move back
+                compact_cache(cache, at, keep)
+                # keys the kernel laid out, moved, in a block of 16 before the one the next forward (in the kernel too)
+                # writes in
+                crossed |= (keep.shape[1] > 1 and (at + 1) // 16 < (at + keep.shape[1]) // 16
+                            and step not in (3, 4, 7, 8, 12))
+                at += keep.shape[1]
+                if step in (7, 12):  # the cache cut back below the slots laid out (past a block of 16), then written
+                    # again by the next forward: in torch's ops, and past them (step 8), in the kernel (step 13)
+                    at -= 20
+                    for layer in cache.layers:
+                        layer.keys, layer.values = layer.keys[:, :, :at], layer.values[:, :, :at]
+                for layer in cache.layers:  # the blocks the next forward takes as laid out are the keys' own
+                    _check_laid_out(layer._key_layout, layer.stores[0], min(at, layer._key_layout.laid.value)
+                                    if layer._key_layout is not None else 0)
+        laid = [layer._key_layout.laid.value if layer._key_layout is not None else 0 for layer in cache.layers]
+        return outs + [t for layer in cache.layers for t in (layer.keys, layer.values)], laid, crossed, grown
+
+    got, laid, crossed, grown = run()
+    assert crossed and grown  # kept keys moved across a block of 16; the stores outgrown (their layout made anew)
+    if isa == "avx512_bf16":
+        assert all(n > 20 for n in laid)  # the layouts were kept and extended
+    monkeypatch.setattr(GrowingLayer, "key_layout", lambda self: None)  # laid out afresh at every call
+    want, _, _, _ = run()
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and torch.equal(g, w)
+
+
+def _check_laid_out(layout, keys: torch.Tensor, slots: int) -> None:
+    """The `layout` of `keys` (B, heads, slots, D) bf16 holds their first `slots` // 16 blocks of 16 keys as the AVX-512
+    build lays them out: per block, each pair of a key's values (a uint32) at [pair][key]."""
+    if layout is None or layout.words is None or layout.keys is not keys:
+        return
+    batch, heads, _, dim = keys.shape
+    blocks = slots // 16
+    pairs = keys[:, :, : blocks * 16].contiguous().view(torch.int32).view(batch, heads, blocks, 16, dim // 2)
+    want = pairs.transpose(3, 4).reshape(batch, heads, -1)
+    got = layout.words.view(batch, heads, layout.head)[:, :, : blocks * 16 * (dim // 2)]
+    assert torch.equal(got, want), slots
+
+
 def _weight_to_screen(out_features: int, in_features: int) -> torch.Tensor:
     """A random bf16 weight whose rows 32-63 lie near row 17, apart by about the int8 copy's rounding (their logits are
     ordered by what it rounds), rows 5, 17 and 40 tie exactly, and then one weight of row 40 is a last bit larger."""

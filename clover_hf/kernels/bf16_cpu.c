@@ -856,8 +856,8 @@ static void merge_parts(const float* partial, int parts, int n, int D, uint16_t*
  * batch rows kv_row apart (views of a larger cache). Causal rows read no key past the last their pass's rows see.
  * Returns 1 where memory ran out. */
 int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, long kv_row, long kv_head,
-                   const void* mask, int mask_bf16, int causal, uint16_t* out, int B, int H, int G, int T, int K, int D,
-                   float scale, int threads) {
+                   const void* mask, int mask_bf16, int causal, uint32_t* layout, long layout_head, int32_t* laid,
+                   uint16_t* out, int B, int H, int G, int T, int K, int D, float scale, int threads) {
     int group = H / G, rows = group * T;
     int chunks = (rows + ATT_ROWS - 1) / ATT_ROWS, parts = 1;
     /* a causal row's mask: the slice of K zeros then K -infinities that starts K - (keys it sees) in */
@@ -879,10 +879,18 @@ int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, long
     }
     int units = (K + PART_ALIGN - 1) / PART_ALIGN; /* a part's keys start at a multiple of PART_ALIGN */
     size_t per_head = KEY_LAYOUT(K, D);
-    uint32_t* kt = per_head ? malloc(sizeof(uint32_t) * per_head * B * G) : NULL;
+    /* the keys laid out for the products: kept beside the cache (`layout`, `layout_head` words a head), where the keys
+     * before *laid (and before this call's T new ones) are laid out already, or made here for this call */
+    int kept = layout && per_head, first = 0;
+    if (kept) {
+        first = (*laid < K - T ? *laid : K - T) / 16;
+        per_head = (size_t)layout_head;
+    }
+    uint32_t* kt = kept ? layout : per_head ? malloc(sizeof(uint32_t) * per_head * B * G) : NULL;
     float* partial = parts > 1 ? malloc(sizeof(float) * PARTIAL(D) * B * G * chunks * parts) : NULL;
     if ((per_head && !kt) || (parts > 1 && !partial)) {
-        free(kt);
+        if (!kept)
+            free(kt);
         free(partial);
         free(seen);
         return 1;
@@ -891,12 +899,12 @@ int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, long
     #pragma omp parallel num_threads(threads > 0 ? threads : 1)
     {
         if (per_head) { /* each head's blocks of keys in `split` shares: a share of 3 heads each on 2 threads */
-            int blocks = (K + 15) / 16, split = B * G >= 2 * threads ? 1 : (2 * threads + B * G - 1) / (B * G);
+            int blocks = (K + 15) / 16 - first, split = B * G >= 2 * threads ? 1 : (2 * threads + B * G - 1) / (B * G);
             #pragma omp for schedule(static)
             for (int item = 0; item < B * G * split; item++) {
                 int bg = item / split, share = item % split;
                 lay_out_keys(k + (size_t)(bg / G) * kv_row + (size_t)(bg % G) * kv_head, kt + (size_t)bg * per_head, K, D,
-                             (int)((long)blocks * share / split), (int)((long)blocks * (share + 1) / split));
+                             first + (int)((long)blocks * share / split), first + (int)((long)blocks * (share + 1) / split));
             }
         }
         float* scores = malloc(sizeof(float) * SCRATCH(PART_ALIGN * ((units + parts - 1) / parts), D));
@@ -953,10 +961,20 @@ int bf16_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, long
         }
         free(scores);
     }
-    free(kt);
+    if (kept && !failed)
+        *laid = K - T;  /* the T new keys' slots may be compacted next: laid out again by the next call */
+    if (!kept)
+        free(kt);
     free(partial);
     free(seen);
     return failed;
+}
+
+/* uint32s of one key/value head's keys laid out for `bf16_attention` over K slots of D values (0: the build reads the
+ * keys as they lie) */
+long bf16_key_layout(int K, int D) {
+    (void)K, (void)D;
+    return (long)KEY_LAYOUT(K, D);
 }
 
 /* y = x @ w.T (+ bias) by int8 weights, for drafting (`i8_rows`, defined with the screen below) */
@@ -1226,6 +1244,11 @@ struct layer_args {
      * `length` slots: its T new keys and values are written after them */
     uint16_t *keys, *values;
     long kv_row, kv_head;
+    /* the keys laid out for attention beside the stores (`layout_head` uint32s a head) and how many slots of them are
+     * laid out (`bf16_attention`), or NULL */
+    uint32_t* layout;
+    long layout_head;
+    int32_t* laid;
 };
 
 /* what the step's layers share: x and out (B, T, D); cos, sin (B, T, hd); mask (B, 1, T, length + T) additive,
@@ -1265,8 +1288,9 @@ static int decoder_layer(const struct layer_args* a, const struct step_args* st,
                 memcpy(a->values + slot, qkv + ((size_t)b * st->T + t) * qkv_out + q_out + (size_t)(a->Hk + g) * hd,
                        sizeof(uint16_t) * hd);
             }
-    failed |= bf16_attention(q, a->keys, a->values, a->kv_row, a->kv_head, st->mask, st->mask_bf16, 0, att, st->B, a->Hq,
-                             a->Hk, st->T, st->length + st->T, hd, a->scale, a->threads);
+    failed |= bf16_attention(q, a->keys, a->values, a->kv_row, a->kv_head, st->mask, st->mask_bf16, 0, a->layout,
+                             a->layout_head, a->laid, att, st->B, a->Hq, a->Hk, st->T, st->length + st->T, hd, a->scale,
+                             a->threads);
     failed |= bf16_rows(att, a->o, a->o_bias, h, R, q_out, D, a->threads);
     bf16_add_rms_norm(x, h, summed, a->norm_post, mixed_in, R, D, a->eps);
     failed |= bf16_rows(mixed_in, a->gate_up, a->gate_up_bias, gate_up, R, D, 2 * a->F, a->threads);
