@@ -135,7 +135,7 @@ class StepArgs(ctypes.Structure):
     """The C kernel's `struct step_args`: what a forward's layers share."""
 
     _fields_ = [*((name, ctypes.c_void_p) for name in ("x", "cos", "sin", "out")), ("length", ctypes.c_int),
-                ("mask", ctypes.c_void_p), *((name, ctypes.c_int) for name in ("mask_bf16", "B", "T"))]
+                ("mask", ctypes.c_void_p), *((name, ctypes.c_int) for name in ("mask_bf16", "B", "T", "causal"))]
 
 
 class FeatureArgs(ctypes.Structure):
@@ -776,15 +776,16 @@ class DecoderLayer:
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  weights: list[tuple[torch.Tensor, torch.Tensor | None]], keys: torch.Tensor, values: torch.Tensor,
-                 length: int, mask: torch.Tensor | None, layout: KeyLayout | None = None) -> torch.Tensor | None:
+                 length: int, mask: torch.Tensor | None, layout: KeyLayout | None = None, causal: bool = False
+                 ) -> torch.Tensor | None:
         """The layer's output for x (B, T, D), by cos and sin (B, T, head_dim), writing the T new keys and values into
         slots `length` on of the stores `keys` and `values` (B, key_heads, slots, head_dim) (and the keys' `layout`),
-        under `mask` (B, 1, T, length + T) additive, or None for one token that sees every key. None (nothing written)
-        where the inputs are not of that form."""
+        under `mask` (B, 1, T, length + T) additive, or None: one token that sees every key, or with `causal` each
+        token the keys up to its own. None (nothing written) where the inputs are not of that form."""
         if x.dim() != 3 or not self.set_weights(weights) or not self.set_stores(keys, values, x.shape[0],
                                                                                  length + x.shape[1], layout):
             return None
-        return self.alone(x, cos, sin, length, mask)
+        return self.alone(x, cos, sin, length, mask, causal)
 
 
 class DecoderStack:
@@ -796,11 +797,11 @@ class DecoderStack:
         self.pointers = (ctypes.POINTER(LayerArgs) * len(layers))(*(ctypes.pointer(layer.args) for layer in layers))
         self.step = StepArgs()
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, length: int, mask: torch.Tensor | None
-                 ) -> torch.Tensor | None:
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, length: int, mask: torch.Tensor | None,
+                 causal: bool = False) -> torch.Tensor | None:
         """The layers' output for x (B, T, D) by cos and sin (B, T, head_dim), each writing its T new keys and values
-        into its stores from slot `length` on, under `mask` (as `DecoderLayer`); None where the inputs are not of that
-        form (nothing written)."""
+        into its stores from slot `length` on, under `mask` or `causal` (as `DecoderLayer`); None where the inputs are
+        not of that form (nothing written)."""
         if x.dim() != 3 or not self.layers:
             return None
         first, step, bf16 = self.layers[0].args, self.step, torch.bfloat16
@@ -808,10 +809,11 @@ class DecoderStack:
         if not (x.shape[2] == first.D and x.dtype is bf16 and x.is_cpu and x.is_contiguous()
                 and cos.shape == sin.shape == (batch, tokens, first.hd) and cos.dtype is bf16 and sin.dtype is bf16):
             return None
+        step.causal = 0
         if mask is None:
-            if tokens != 1:
+            if tokens != 1 and not causal:
                 return None
-            step.mask, step.mask_bf16 = None, 0
+            step.mask, step.mask_bf16, step.causal = None, 0, int(tokens > 1)
         else:
             if mask.dtype not in (bf16, torch.float32) or mask.shape != (batch, 1, tokens, length + tokens) or (
                     not mask.is_cpu):

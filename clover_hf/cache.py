@@ -116,13 +116,13 @@ class GrowingLayer(DynamicLayer):
         return self.stores
 
     def extend(self, layer: bf16_kernel.DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               weights: list, mask: torch.Tensor | None) -> torch.Tensor | None:
+               weights: list, mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor | None:
         """`layer`'s output for x (`bf16_kernel.DecoderLayer`), its keys and values for x written into the stores in
         place after those held; None (nothing done) where this holds no keys yet or the kernel does not take the
         inputs."""
         length = self.get_seq_length()
         stores = self.reserve(length + x.shape[1]) if x.dim() == 3 else None
-        out = None if stores is None else layer(x, cos, sin, weights, *stores, length, mask, self.key_layout())
+        out = None if stores is None else layer(x, cos, sin, weights, *stores, length, mask, self.key_layout(), causal)
         if out is not None:
             self.set_length(length + x.shape[1])
         return out

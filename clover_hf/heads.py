@@ -106,12 +106,6 @@ class AugmentCache:
         return self.layers[0].get_seq_length() if self.layers else 0
 
 
-def _later_keys(tokens: int, keys: int, dtype: torch.dtype) -> torch.Tensor:
-    """An additive causal mask (tokens, keys) for the last `tokens` of `keys` positions: the lowest value where a key
-    is later than the query (on and above diagonal keys - tokens + 1)."""
-    return torch.full((tokens, keys), torch.finfo(dtype).min, dtype=dtype).triu(keys - tokens + 1)
-
-
 # each Augmenting Block layer's `bf16_kernel.DecoderLayer` (with the norm weights it was made for), kept outside the
 # module: its ctypes pointers would stop the module from being copied or pickled
 _KERNEL_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -197,9 +191,7 @@ class AugmentLayer(nn.Module):
         layer, weights = self.kernel_layer(), self.kernel_weights(x.numel() // x.shape[-1])
         if layer is None or weights is None:
             return None
-        tokens, keys = x.shape[1], cache.get_seq_length() + x.shape[1]
-        mask = _later_keys(tokens, keys, x.dtype).expand(x.shape[0], 1, tokens, keys) if tokens > 1 else None
-        return cache.extend(layer, x, cos, sin, weights, mask)
+        return cache.extend(layer, x, cos, sin, weights, None, causal=True)
 
     def kernel_layer(self) -> bf16_kernel.DecoderLayer | None:
         """This layer as a `bf16_kernel.DecoderLayer` (made again after `.to()`); None where its norms differ in

@@ -1252,13 +1252,13 @@ struct layer_args {
 };
 
 /* what the step's layers share: x and out (B, T, D); cos, sin (B, T, hd); mask (B, 1, T, length + T) additive,
- * float32 (mask_bf16 0) or bf16 (1), or NULL where each token sees every key */
+ * float32 (mask_bf16 0) or bf16 (1), or NULL where each token sees every key, or with `causal` the keys up to its own */
 struct step_args {
     const uint16_t *x, *cos, *sin;
     uint16_t* out;
     int length;
     const void* mask;
-    int mask_bf16, B, T;
+    int mask_bf16, B, T, causal;
 };
 
 /* rows from which a decoder layer's silu runs on all its threads, a share of the rows each: at a verify forward's
@@ -1288,7 +1288,7 @@ static int decoder_layer(const struct layer_args* a, const struct step_args* st,
                 memcpy(a->values + slot, qkv + ((size_t)b * st->T + t) * qkv_out + q_out + (size_t)(a->Hk + g) * hd,
                        sizeof(uint16_t) * hd);
             }
-    failed |= bf16_attention(q, a->keys, a->values, a->kv_row, a->kv_head, st->mask, st->mask_bf16, 0, a->layout,
+    failed |= bf16_attention(q, a->keys, a->values, a->kv_row, a->kv_head, st->mask, st->mask_bf16, st->causal, a->layout,
                              a->layout_head, a->laid, att, st->B, a->Hq, a->Hk, st->T, st->length + st->T, hd, a->scale,
                              a->threads);
     failed |= bf16_rows(att, a->o, a->o_bias, h, R, q_out, D, a->threads);
@@ -1381,7 +1381,7 @@ struct feature_args {
 /* The feature the heads draft from, as heads.CloverHeads.features computes it for drafting, in one call: the input
  * Attention Decoder over T new positions (the base's hidden states h and the embeddings e of the tokens after them),
  * the Augmenting Block's n layers over them (each position sees the `length` cached and the new ones up to itself:
- * the additive bf16 mask `_later_keys` makes; their keys and values written after those cached) and the final norm,
+ * causal attention; their keys and values written after those cached) and the final norm,
  * of the last position only, into `feature` (D); the rotary embedding's cos and sin at the positions (T) are rows of
  * tables of `table_rows` positions (hd each). The same kernels in the same order, so the same feature, without the
  * torch ops and calls around them (see bf16_kernel.Features). Returns 2 (nothing done) where a
@@ -1389,26 +1389,22 @@ struct feature_args {
 int bf16_features(const struct feature_args* a, const struct layer_args* const* layers, int n, const uint16_t* h,
                   const uint16_t* e, int T, const int64_t* positions, const uint16_t* cos_table,
                   const uint16_t* sin_table, long table_rows, int length, uint16_t* feature) {
-    int D = a->D, K = length + T, hd = layers[0]->hd;
+    int D = a->D, hd = layers[0]->hd;
     for (int t = 0; t < T; t++)
         if (positions[t] < 0 || positions[t] >= table_rows)
             return 2;
-    uint16_t* x = malloc(sizeof(uint16_t) * ((size_t)2 * T * D + (size_t)2 * T * hd + (T > 1 ? (size_t)T * K : 0)));
+    uint16_t* x = malloc(sizeof(uint16_t) * ((size_t)2 * T * D + (size_t)2 * T * hd));
     if (!x)
         return 1;
     uint16_t *out = x + (size_t)T * D, *cos = out + (size_t)T * D, *sin = cos + (size_t)T * hd;
-    uint16_t* mask = T > 1 ? sin + (size_t)T * hd : NULL;
     for (int t = 0; t < T; t++) {
         memcpy(cos + (size_t)t * hd, cos_table + (size_t)positions[t] * hd, sizeof(uint16_t) * hd);
         memcpy(sin + (size_t)t * hd, sin_table + (size_t)positions[t] * hd, sizeof(uint16_t) * hd);
     }
-    for (int t = 0; t < T && mask; t++) /* 0 where a key is at or before the query, bf16's lowest after it */
-        for (int j = 0; j < K; j++)
-            mask[(size_t)t * K + j] = j > length + t ? 0xFF7F : 0;
     int failed = bf16_attention_decoder(h, e, a->in_norm, a->in_eps, a->q, a->q_bias, a->k, a->k_bias, a->v, a->v_bias,
                                         x, T, D, a->heads, a->threads);
     if (!failed) {
-        struct step_args st = {x, cos, sin, out, length, mask, 1, 1, T};
+        struct step_args st = {x, cos, sin, out, length, NULL, 0, 1, T, T > 1};
         failed = bf16_layers(layers, n, &st);
     }
     if (!failed)
