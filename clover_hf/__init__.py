@@ -53,4 +53,4 @@ __all__ = [
     "DynamicTree",
     "clover_generate",
 ]
-__version__ = "0.33.11"
+__version__ = "0.33.12"

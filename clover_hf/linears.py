@@ -892,9 +892,12 @@ def linear_forms(models: Iterable[nn.Module], forms: LinearForms, copies: Weight
         def kernel_weights(rows: int) -> tuple[torch.Tensor, torch.Tensor | None, list[int]] | None:
             """The tiled copy (`bf16_kernel.tile`) and bias (float32) `m`'s products of `rows` rows compute from
             here, stacked with its group's where it leads one, and the output sizes of the layers it holds; None
-            where they compute otherwise (another form, no copy, a trial, a group computing apart, or a group's
-            other member)."""
-            if (kind != TILED or form_for(forms, rows) != TILED
+            where they compute otherwise (no copy, a trial, a group computing apart, or a group's other member; past
+            PACK_ROWS, another form). A verify forward's row counts take the copy whatever form they settled on: the
+            forms were timed product by product, and the kernel's one call for all of a forward's layers (or a
+            draft's levels) saves more than any form gained (SmolLM2 on Zen 4, with 2 and 3 rows settled on F.linear:
+            a drafting step 3.39 ms in torch against 1.48 in the kernel, a verify forward 10.05 against 9.25)."""
+            if (kind != TILED or (rows > PACK_ROWS and form_for(forms, rows) != TILED)
                     or (trials is not None and (rows > PACK_ROWS or not verify_settled) and trials.handles(rows))):
                 return None
             group = stacked.get(id(m))

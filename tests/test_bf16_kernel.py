@@ -755,7 +755,7 @@ def test_a_whole_decoder_layer_in_one_call_is_bitwise_its_calls_one_by_one(arch,
     """With every product in the tiled form (q/k/v, with qwen2's biases, and gate/up stacked) over a growing cache, a
     bf16 model's decoder layers run as one kernel call all together (or, the stack off, one a layer) for a masked
     forward of 3 tokens a row and a one-token one without a mask: logits and cached keys and values bitwise those of
-    their kernel calls one by one. A causal prefill without a mask, and products in other forms, leave it to those
+    their kernel calls one by one. A causal prefill without a mask, and products without tiled copies, leave it to those
     calls."""
     import clover_hf.lean_layers as lean
     from clover_hf.cache import new_cache
@@ -790,7 +790,11 @@ def test_a_whole_decoder_layer_in_one_call_is_bitwise_its_calls_one_by_one(arch,
     tiled = {1 << k: TILED for k in range(5)}
     got = run(tiled)
     assert calls == [("_Stack", 3), ("_Stack", 1)]  # both layers in one call, the masked forward and the one-token one
-    assert all(torch.equal(g, w) for g, w in zip(run({**tiled, batch: "linear"}), got[:1])) and calls == [("_Stack", 3)]
+    # a row count of a verify forward's that settled on another form still runs in the kernel's tiled copies
+    assert all(torch.equal(g, w) for g, w in zip(run({**tiled, batch: "linear"}), got))
+    assert calls == [("_Stack", 3), ("_Stack", 1)]
+    run({1 << k: "linear" for k in range(5)})  # no tiled copies
+    assert not calls
     monkeypatch.setattr(lean._Stack, "ready", lambda self, layers: None)  # one call a layer
     assert all(g.shape == w.shape and torch.equal(g, w) for g, w in zip(run(tiled), got))
     assert calls == [("_WholeLayer", 3)] * 2 + [("_WholeLayer", 1)] * 2
@@ -985,6 +989,40 @@ def test_a_static_trees_draft_in_one_kernel_call_is_bitwise_the_levels_one_by_on
         assert tokens.shape == (whole.num_nodes - 1,) or tokens.shape == (shallow.num_nodes - 1,)
         assert torch.equal(tokens, want_tokens) and torch.equal(probs, want_probs)
         assert set(tokens.tolist()) <= set(heads.draft_token_ids.tolist())
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_the_kernels_take_the_tiled_copies_at_a_verify_forwards_row_counts_whatever_form_those_settled_on(isa, built,
+                                                                                                        monkeypatch):
+    """A row count up to PACK_ROWS that settled on another form (F.linear timed a little faster product by product, or
+    by chance) still has its kernel calls: the heads' draft in one call, bitwise as where every row count is tiled, and
+    the decoder layers' tiled weights. Past PACK_ROWS (a prefill) the row count's own form stands."""
+    from clover_hf.drafting import static_trees
+    from clover_hf.linears import LINEAR, PACK_ROWS, kernel_weights, layer_weights
+
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    base, heads, g = _random_bf16_heads(norms=1.0, draft_vocab_size=64)
+    heads.draft_token_ids.copy_(torch.randperm(base.config.vocab_size, generator=g)[:64])
+    tree = static_trees(heads.config.tree, "cpu", 0, None)[0]
+    gap = 1 << (tree.levels[1].parent_of_expanded.shape[0].bit_length() - 1)  # a row count its second level takes
+    assert 1 < gap < 32
+    lm_head, embed = heads.draft_lm_head(base.get_output_embeddings(), int8=True), heads.token_embedding(base)
+    feature, root = torch.randn(base.config.hidden_size, generator=g).to(torch.bfloat16), torch.tensor(5)
+    tiled = {1 << k: TILED for k in range(9)}
+    gaps = {rows: form for rows, form in tiled.items() if rows not in (gap, 32)}  # those and 32-63 rows: F.linear
+    drafted = []
+    for forms in (tiled, gaps):
+        with torch.no_grad(), linear_forms([base, heads], forms, WeightCopies(limit=10**9)):
+            drafted.append(heads._kernel_draft(feature, root, tree, embed, lm_head))
+            layer = base.model.layers[0]
+            projections = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                           layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
+            assert all(layer_weights(rows, *projections) is not None for rows in range(1, PACK_ROWS + 1))
+            assert (layer_weights(40, *projections) is None) is (forms is gaps)
+            assert (kernel_weights(heads.heads[0].fc, 40, [heads.heads[0].fc.out_features]) is None) is (forms is gaps)
+            assert layer.mlp.down_proj.forward.form_of(gap) == (LINEAR if forms is gaps else TILED)
+    assert drafted[0] is not None and drafted[1] is not None
+    assert torch.equal(drafted[0][0], drafted[1][0]) and torch.equal(drafted[0][1], drafted[1][1])
 
 
 @pytest.mark.parametrize("isa", BUILDS)
