@@ -439,16 +439,15 @@ class _ModelForward:
 
 
 def lm_head_screen(lm_head: nn.Module) -> bf16_kernel.Screen | None:
-    """The screen (`bf16_kernel.Screen`) of an nn.Linear lm_head's weight, made once and kept while the weight is
-    unchanged (SmolLM2's took ~25 ms to make, AVX2-only EPYC); None where the kernel does not take it."""
+    """The screen (`bf16_kernel.Screen`) of an nn.Linear lm_head's weight, made once and kept while its weight and bias
+    are unchanged (`heads.watch`: SmolLM2's took ~25 ms to make, AVX2-only EPYC); None where the kernel does not take
+    it."""
     weight, bias = getattr(lm_head, "weight", None), getattr(lm_head, "bias", None)
     if not isinstance(lm_head, nn.Linear) or weight is None or weight.requires_grad and torch.is_grad_enabled():
         return None
-    made = (weight, weight.data_ptr(), None if weight.is_inference() else weight._version,
-            None if bias is None else bias.data_ptr())
     kept = _SCREENS.get(lm_head)
-    if kept is None or kept[0][0] is not weight or kept[0][1:] != made[1:]:
-        kept = _SCREENS[lm_head] = (made, bf16_kernel.Screen.of(weight.detach(), bias))
+    if kept is None or not unchanged(kept[0], [weight, bias]):
+        kept = _SCREENS[lm_head] = ([watch(weight), watch(bias)], bf16_kernel.Screen.of(weight.detach(), bias))
     return kept[1]
 
 

@@ -1392,6 +1392,37 @@ def test_the_screen_declines_what_it_cannot_bound(isa, built, monkeypatch):
     assert screen(torch.randn(3, 30).bfloat16()) is None and screen(torch.randn(3, 32)) is None
 
 
+@pytest.mark.parametrize("isa", BUILDS)
+def test_an_lm_heads_screen_is_kept_while_its_weight_and_bias_are_unchanged(isa, built, monkeypatch):
+    """The screen of an nn.Linear lm_head is made once and served again, and made anew where its weight changed in
+    place or was replaced, or its bias changed: a stale screen would bound the old weights' logits."""
+    from clover_hf.lean_layers import lm_head_screen
+
+    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    lm_head = torch.nn.Linear(32, 64, bias=True).bfloat16()
+    x = torch.randn(3, 32).bfloat16()
+    assert lm_head_screen(lm_head) is None  # a weight being trained
+    lm_head.requires_grad_(False)
+    first = lm_head_screen(lm_head)
+    assert first is not None and lm_head_screen(lm_head) is first
+
+    def served():
+        screen = lm_head_screen(lm_head)
+        want = bf16_kernel.linear(x, bf16_kernel.tile(lm_head.weight), lm_head.bias.float()).float().argmax(-1)
+        assert torch.equal(screen(x), want)
+        return screen
+
+    with torch.no_grad():
+        lm_head.weight[5].fill_(3.0)  # in place: a new version
+        second = served()
+        assert second is not first and lm_head_screen(lm_head) is second
+        lm_head.weight = torch.nn.Parameter(torch.randn(64, 32).bfloat16(), requires_grad=False)  # replaced
+        third = served()
+        assert third is not second
+        lm_head.bias[9] += 100.0
+        assert served() is not third
+
+
 def _verify_settled(monkeypatch) -> list[bool]:
     """Each verify forward's `settled` from now on, a process's one-off checks (the lean forward's and the lm_head
     screen's) to run again."""
