@@ -625,8 +625,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     each key/value head serving H / G query heads, as (B, T, H, D): for the few query tokens of a verify forward,
     where SDPA's CPU kernel took 23 us a layer at one token and 67 at eight over ~150 keys (SmolLM2, AVX-512-bf16
     EPYC; on the AVX2-only EPYC 20 / 41 / 68 us at 1 / 4 / 8 tokens over 200 keys against 143 / 64 / 79, and
-    drafted steps, alternating calls with SDPA, ran 63.5 against 57.8 tokens/s). Scores, softmax and the weighted
-    sum of values are float32, rounded to bf16 once at the end. Both builds split a head's keys among threads where its
+    drafted steps, alternating calls with SDPA, ran 63.5 against 57.8 tokens/s). Scores and softmax are float32; each
+    weight is rounded to bf16 before it weighs the values (summed in float32), as SDPA's CPU kernel rounds its bf16
+    product's: 87-99% of outputs bitwise SDPA's where a head's keys are not split among threads, against ~60% with
+    float32 weights (the AVX-512 build then weighs two keys a vdpbf16ps: 157 against 179 us a layer at 8 tokens over
+    1,500 keys, 42 against 47 over 300; Zen 4). Both builds split a head's keys among threads where its
     rows would leave one idle (one token's 3 key/value heads on 2 threads). The AVX2 build weighs values in blocks of
     keys that stay in L1: over 30 layers' caches of 1,500 keys, 76 / 191 / 296 us a layer at 1 / 4 / 8 tokens against
     111 / 285 / 462 before; long prompts' one-token forwards 12.8-13.1 against 14.1-15.5 ms. The AVX-512 build lays

@@ -593,8 +593,9 @@ static void transpose_keys(const uint16_t* k, uint32_t* kt, int K, int D, int b0
 /* Attention of up to ATT_ROWS query rows (each D values, `q_at[r]`) over keys k0..k1 of one key/value head (k0 a
  * multiple of 16), short of the division: scores scale * q.k plus the rows' additive mask (`mask_at[r]`, float32 or
  * bf16, or none), from the keys laid out by `transpose_keys` (`kt`, all of the head's); each row's largest score
- * most[r], its sum of e^(score - most) total[r], and the values (v at key 0) weighted by those e^ (n x D floats) in
- * sums. `scores` holds SCRATCH(k1 - k0, D) floats. */
+ * most[r], its sum of e^(score - most) total[r], and the values (v at key 0) weighted by those e^ rounded to bf16,
+ * as SDPA's CPU kernel rounds them for its product by the values (n x D floats) in sums. `scores` holds
+ * SCRATCH(k1 - k0, D) floats. */
 static inline __attribute__((always_inline)) void attend_n(
         const uint16_t* const* q_at, const void* const* mask_at, int mask_bf16, int n, const uint32_t* kt,
         const uint16_t* v, int k0, int k1, int D, float scale, float* scores, float* most, float* total, float* sums) {
@@ -631,26 +632,62 @@ static inline __attribute__((always_inline)) void attend_n(
             top = _mm512_max_ps(top, _mm512_loadu_ps(s + j));
         most[r] = _mm512_reduce_max_ps(top);
         __m512 high = _mm512_set1_ps(most[r]), sum = _mm512_setzero_ps();
+        uint16_t* weights = (uint16_t*)s; /* the row's e^ rounded to bf16, written over the floats already read */
         for (int j = 0; j < stride; j += 16) {
-            __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + j), high));
-            e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_loadu_ps(s + j), _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
-                                     e, _mm512_setzero_ps());
-            _mm512_storeu_ps(s + j, e);
+            __m512 x = _mm512_loadu_ps(s + j);
+            __m512 e = exp_neg(_mm512_sub_ps(x, high));
+            e = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), e, _mm512_setzero_ps());
             sum = _mm512_add_ps(sum, e);
+            _mm256_storeu_si256((__m256i*)(weights + j), round16(e));
         }
         total[r] = _mm512_reduce_add_ps(sum);
     }
-    for (int d = 0; d < D; d += 16) {
+    /* the values weighed two keys at a time by vdpbf16ps: keys j and j + 1's values interleaved (within each 128-bit
+     * lane, so each sum's dimensions come out permuted, put back as they are stored) against the two weights */
+    const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    int d = 0;
+    for (; d + 32 <= D; d += 32) {
+        __m512 lo_acc[ATT_ROWS], hi_acc[ATT_ROWS];
+        for (int r = 0; r < n; r++)
+            lo_acc[r] = hi_acc[r] = _mm512_setzero_ps();
+        for (int j = 0; j < K; j += 2) {
+            __m512i a = _mm512_loadu_si512(v + (size_t)(k0 + j) * D + d);
+            __m512i b = j + 1 < K ? _mm512_loadu_si512(v + (size_t)(k0 + j + 1) * D + d) : _mm512_setzero_si512();
+            __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b), hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+            for (int r = 0; r < n; r++) {
+                uint32_t pair;
+                memcpy(&pair, (const uint16_t*)(scores + (size_t)r * stride) + j, 4);
+                __m512bh w = (__m512bh)_mm512_set1_epi32((int)pair);
+                lo_acc[r] = _mm512_dpbf16_ps(lo_acc[r], w, lo);
+                hi_acc[r] = _mm512_dpbf16_ps(hi_acc[r], w, hi);
+            }
+        }
+        for (int r = 0; r < n; r++) {
+            /* lo holds dims 8l..8l+3 of lane l, hi 8l+4..8l+7: dims 0-15 are lanes 0-1 of both, 16-31 lanes 2-3 */
+            _mm512_storeu_ps(sums + (size_t)r * D + d, _mm512_permutex2var_ps(lo_acc[r], first, hi_acc[r]));
+            _mm512_storeu_ps(sums + (size_t)r * D + d + 16, _mm512_permutex2var_ps(lo_acc[r], second, hi_acc[r]));
+        }
+    }
+    if (d < D) { /* a last 16 dimensions (a head of 16, 48, 80, ...): both keys' interleaved halves in one vector */
+        const __m512i order = _mm512_set_epi32(15, 14, 13, 12, 7, 6, 5, 4, 11, 10, 9, 8, 3, 2, 1, 0);
         __m512 acc[ATT_ROWS];
         for (int r = 0; r < n; r++)
             acc[r] = _mm512_setzero_ps();
-        for (int j = 0; j < K; j++) {
-            __m512 vj = bf16x16(v + (size_t)(k0 + j) * D + d, (__mmask16)0xFFFF);
-            for (int r = 0; r < n; r++)
-                acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(scores[(size_t)r * stride + j]), vj, acc[r]);
+        for (int j = 0; j < K; j += 2) {
+            __m256i a = _mm256_loadu_si256((const __m256i*)(v + (size_t)(k0 + j) * D + d));
+            __m256i b = j + 1 < K ? _mm256_loadu_si256((const __m256i*)(v + (size_t)(k0 + j + 1) * D + d))
+                                  : _mm256_setzero_si256();
+            __m512bh both = (__m512bh)_mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi16(a, b)),
+                                                         _mm256_unpackhi_epi16(a, b), 1);
+            for (int r = 0; r < n; r++) {
+                uint32_t pair;
+                memcpy(&pair, (const uint16_t*)(scores + (size_t)r * stride) + j, 4);
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)pair), both);
+            }
         }
         for (int r = 0; r < n; r++)
-            _mm512_storeu_ps(sums + (size_t)r * D + d, acc[r]);
+            _mm512_storeu_ps(sums + (size_t)r * D + d, _mm512_permutexvar_ps(order, acc[r]));
     }
 }
 
@@ -791,7 +828,7 @@ static void attend_part(const uint16_t* const* q_at, const void* const* mask_at,
             __m256 x = _mm256_loadu_ps(s + j);
             __m256 e = _mm256_blendv_ps(exp_neg8(_mm256_sub_ps(x, top)), _mm256_setzero_ps(),
                                         _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
-            _mm256_storeu_ps(s + j, e);
+            _mm256_storeu_ps(s + j, bf16x8_widen(bf16x8(e)));  /* the weight rounded to bf16, as the AVX-512 build's */
             all = _mm256_add_ps(all, e);
         }
         _mm256_storeu_ps(t, all);
@@ -851,7 +888,7 @@ static void merge_parts(const float* partial, int parts, int n, int D, uint16_t*
 
 /* out (B, T, H, D) = softmax(scale * q k^T + mask) v for queries q (B, H, T, D) and keys and values k, v
  * (B, G, K, D), each key/value head serving H / G query heads; mask (B, 1, T, K) additive, float32 (mask_bf16 0)
- * or bf16 (1), or NULL (every key seen, or with `causal` query t the keys up to K - T + t). D a multiple of 32, at
+ * or bf16 (1), or NULL (every key seen, or with `causal` query t the keys up to K - T + t). D a multiple of 16, at
  * most 256. A head's keys (values) are K rows of D values one after another; heads lie kv_head values apart and
  * batch rows kv_row apart (views of a larger cache). Causal rows read no key past the last their pass's rows see.
  * Returns 1 where memory ran out. */
