@@ -628,8 +628,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     drafted steps, alternating calls with SDPA, ran 63.5 against 57.8 tokens/s). Scores and softmax are float32; each
     weight is rounded to bf16 before it weighs the values (summed in float32), as SDPA's CPU kernel rounds its bf16
     product's: 87-99% of outputs bitwise SDPA's where a head's keys are not split among threads, against ~60% with
-    float32 weights (the AVX-512 build then weighs two keys a vdpbf16ps: 157 against 179 us a layer at 8 tokens over
-    1,500 keys, 42 against 47 over 300; Zen 4). Both builds split a head's keys among threads where its
+    float32 weights (the AVX-512 build then weighs two keys a vdpbf16ps: with the keys laid out, 117 against 141 us a
+    layer at 8 tokens over 1,500 keys, 29 against 33 over 300, 28 against 31 at one token over 1,500; Zen 4). Both builds split a head's keys among threads where its
     rows would leave one idle (one token's 3 key/value heads on 2 threads). The AVX2 build weighs values in blocks of
     keys that stay in L1: over 30 layers' caches of 1,500 keys, 76 / 191 / 296 us a layer at 1 / 4 / 8 tokens against
     111 / 285 / 462 before; long prompts' one-token forwards 12.8-13.1 against 14.1-15.5 ms. The AVX-512 build lays
