@@ -622,19 +622,19 @@ ATTENTION_DIMS = range(32, 257, 32)  # the head sizes `attention` takes
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
               causal: bool = False) -> torch.Tensor | None:
     """softmax(scale * query @ key.T + mask) @ value of bf16 queries (B, H, T, D) over keys and values (B, G, K, D),
-    each key/value head serving H / G query heads, as (B, T, H, D): for the few query tokens of a verify forward,
-    where SDPA's CPU kernel took 23 us a layer at one token and 67 at eight over ~150 keys (SmolLM2, AVX-512-bf16
-    EPYC; on the AVX2-only EPYC 20 / 41 / 68 us at 1 / 4 / 8 tokens over 200 keys against 143 / 64 / 79, and
-    drafted steps, alternating calls with SDPA, ran 63.5 against 57.8 tokens/s). Scores and softmax are float32; each
-    weight is rounded to bf16 before it weighs the values (summed in float32), as SDPA's CPU kernel rounds its bf16
-    product's: 87-99% of outputs bitwise SDPA's where a head's keys are not split among threads, against ~60% with
-    float32 weights (the AVX-512 build then weighs two keys a vdpbf16ps: with the keys laid out, 117 against 141 us a
-    layer at 8 tokens over 1,500 keys, 29 against 33 over 300, 28 against 31 at one token over 1,500; Zen 4). Both builds split a head's keys among threads where its
-    rows would leave one idle (one token's 3 key/value heads on 2 threads). The AVX2 build weighs values in blocks of
-    keys that stay in L1: over 30 layers' caches of 1,500 keys, 76 / 191 / 296 us a layer at 1 / 4 / 8 tokens against
-    111 / 285 / 462 before; long prompts' one-token forwards 12.8-13.1 against 14.1-15.5 ms. The AVX-512 build lays
-    out each head's keys for its bf16 products in registers (not by gathers) and splits that work too: 1 / 2 tokens
-    over 1,500 keys 125 / 142 against 155 / 177 us a layer, over 300 keys ~23 against ~30 (Zen 4).
+    each key/value head serving H / G query heads, as (B, T, H, D): for the few query tokens of a verify forward, where
+    SDPA's CPU kernel took 23 us a layer at one token and 67 at eight over ~150 keys (SmolLM2, AVX-512-bf16 EPYC; on the
+    AVX2-only EPYC 20 / 41 / 68 us at 1 / 4 / 8 tokens over 200 keys against 143 / 64 / 79, and drafted steps,
+    alternating calls with SDPA, ran 63.5 against 57.8 tokens/s). Scores and softmax are float32; each weight is rounded
+    to bf16 before it weighs the values (summed in float32), as SDPA's CPU kernel rounds its bf16 product's: 87-99% of
+    outputs bitwise SDPA's where a head's keys are not split among threads, against ~60% with float32 weights (the
+    AVX-512 build then weighs two keys a vdpbf16ps: with the keys laid out, 117 against 141 us a layer at 8 tokens over
+    1,500 keys, 29 against 33 over 300, 28 against 31 at one token over 1,500; Zen 4). Both builds split a head's keys
+    among threads where its rows would leave one idle (one token's 3 key/value heads on 2 threads). The AVX2 build
+    weighs values in blocks of keys that stay in L1: over 30 layers' caches of 1,500 keys, 76 / 191 / 296 us a layer at
+    1 / 4 / 8 tokens against 111 / 285 / 462 before; long prompts' one-token forwards 12.8-13.1 against 14.1-15.5 ms.
+    The AVX-512 build lays out each head's keys for its bf16 products in registers (not by gathers) and splits that work
+    too: 1 / 2 tokens over 1,500 keys 125 / 142 against 155 / 177 us a layer, over 300 keys ~23 against ~30 (Zen 4).
     `mask`: additive, (B, 1, T, K), bf16 or float32; None where every query sees every key, or with `causal` (no mask)
     where query t sees keys 0..K - T + t, as a prompt's tokens see the text up to their own: each pass over a few
     query rows then reads only the keys its last row sees, about half of a prompt's (1,000 tokens of SmolLM2: 5.1 ms a
@@ -662,8 +662,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     out = torch.empty(batch, tokens, heads, dim, dtype=bf16)
     mask_at, mask_bf16 = (None, 0) if mask is None else (mask.data_ptr(), int(mask.dtype is bf16))
     failed = _library.bf16_attention(query.data_ptr(), key.data_ptr(), value.data_ptr(), key.stride(0), key.stride(1),
-                                     mask_at, mask_bf16, int(causal), None, 0, None, out.data_ptr(), batch, heads, kv[1],
-                                     tokens, length, dim, scale, torch.get_num_threads())
+                                     mask_at, mask_bf16, int(causal), None, 0, None, out.data_ptr(), batch, heads,
+                                     kv[1], tokens, length, dim, scale, torch.get_num_threads())
     if failed > 0:
         raise MemoryError("bf16_kernel: no memory for attention's scores")
     return None if failed else out

@@ -435,28 +435,25 @@ def test_the_kernels_attention_rounds_its_weights_to_bf16_as_sdpa_does(isa, buil
     score, as SDPA does only past its blocks of keys."""
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     monkeypatch.setattr(bf16_kernel, "ATTENTION_DIMS", range(16, 257, 16))
+    g = torch.Generator().manual_seed(0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        _attention_as_sdpa_rounds()
+        for keys, tokens, dim in ((33, 3, 16), (77, 1, 48), (150, 5, 80), (201, 8, 64), (31, 2, 128), (150, 1, 80)):
+            q = torch.randn(1, 9, tokens, dim, generator=g).bfloat16()
+            k, v = (torch.randn(1, 3, keys, dim, generator=g).bfloat16() for _ in range(2))
+            mask = torch.zeros(1, 1, tokens, keys, dtype=torch.bfloat16)
+            mask[..., ::7] = float("-inf")
+            got = bf16_kernel.attention(q, k, v, mask, dim**-0.5)
+            sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=dim**-0.5,
+                                                  enable_gqa=True).transpose(1, 2)
+            exact = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(3, 1),
+                                                   v.double().repeat_interleave(3, 1), attn_mask=mask.double(),
+                                                   scale=dim**-0.5).transpose(1, 2)
+            assert (got == sdpa).float().mean() > 0.8, (keys, tokens, dim)
+            assert (got.double() - exact).abs().max() <= 1.01 * (sdpa.double() - exact).abs().max()
     finally:
         torch.set_num_threads(threads)
-
-
-def _attention_as_sdpa_rounds() -> None:
-    g = torch.Generator().manual_seed(0)
-    for keys, tokens, dim in ((33, 3, 16), (77, 1, 48), (150, 5, 80), (201, 8, 64), (31, 2, 128), (150, 1, 80)):
-        q = torch.randn(1, 9, tokens, dim, generator=g).bfloat16()
-        k, v = (torch.randn(1, 3, keys, dim, generator=g).bfloat16() for _ in range(2))
-        mask = torch.zeros(1, 1, tokens, keys, dtype=torch.bfloat16)
-        mask[..., ::7] = float("-inf")
-        got = bf16_kernel.attention(q, k, v, mask, dim**-0.5)
-        sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=dim**-0.5, enable_gqa=True).transpose(1, 2)
-        exact = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(3, 1),
-                                               v.double().repeat_interleave(3, 1), attn_mask=mask.double(),
-                                               scale=dim**-0.5).transpose(1, 2)
-        assert (got == sdpa).float().mean() > 0.8, (keys, tokens, dim)
-        assert (got.double() - exact).abs().max() <= 1.01 * (sdpa.double() - exact).abs().max()
 
 
 @pytest.mark.parametrize("isa", BUILDS)
