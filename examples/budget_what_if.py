@@ -8,7 +8,7 @@ off the cost model: speedup = plain decoding's cost (one 1-token forward per tok
     python examples/budget_what_if.py --dtype float32 --limit 20
     python examples/budget_what_if.py --dtype float32 --limit 20 --set RECENT_RANGE=1,1   # no recent factor
 
-`--set NAME=VALUE` overrides a constant of `clover_hf.budget` (comma-separated values make a tuple).
+`--set NAME=VALUE` overrides a constant of `clover_hf.decode.budget` (comma-separated values make a tuple).
 The default costs are medians of 7 timings on an AVX2-only AMD EPYC, 2 threads, 200-token cache, with
 `F.linear` at every width (before the budget chose linear forms: in float32 there, 2-16-token forwards
 now cost 1.3-1.7x a one-token one instead of 1.7-2x); `--costs '{"1": 40, "2": 60, ...}'` gives
@@ -22,11 +22,11 @@ import json
 
 import torch
 
-import clover_hf.budget as budget_module
-import clover_hf.decoding as decoding
-from clover_hf.budget import CostModel, DraftBudget
-from clover_hf.data import mtbench_questions
+import clover_hf.decode.budget as budget_module
+import clover_hf.decode.loop as decoding
+from clover_hf.decode.budget import CostModel, DraftBudget
 from clover_hf.embedded import load_default
+from clover_hf.training.data import mtbench_questions
 
 AVX2_COSTS = {
     "float32": ({1: 69.5, 2: 117, 3: 145, 4: 126, 5: 122, 6: 123, 8: 131, 12: 134, 16: 142, 32: 165}, 3.0),
@@ -51,7 +51,7 @@ def main() -> None:
     for item in args.set:
         name, value = item.split("=", 1)
         if not hasattr(budget_module, name):
-            raise SystemExit(f"clover_hf.budget has no {name}")
+            raise SystemExit(f"clover_hf.decode.budget has no {name}")
         setattr(budget_module, name, _value(value))
     curve, draft_ms = AVX2_COSTS[args.dtype]
     curve = {int(w): float(ms) for w, ms in (args.costs or curve).items()}

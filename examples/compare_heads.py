@@ -21,8 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from clover_hf import CloverForCausalLM
-from clover_hf.bench import read_prompts
 from clover_hf.embedded import base_model_path, shipped_heads_path
+from clover_hf.tools.bench import read_prompts
 
 SETTINGS = {"heads alone": {"lookup": 0}, "with chain": {"lookup": 5, "lookup_max": 20}}
 

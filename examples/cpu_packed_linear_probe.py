@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 from clover_hf import CloverForCausalLM
-from clover_hf.hardware import timed
-from clover_hf.data import mtbench_questions
+from clover_hf.core.hardware import timed
 from clover_hf.embedded import base_model_path, shipped_heads_path
+from clover_hf.training.data import mtbench_questions
 
 
 def add_packed_weights(model: torch.nn.Module) -> dict[str, bool]:

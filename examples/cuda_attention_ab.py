@@ -16,11 +16,11 @@ import contextlib
 import torch
 from transformers import AutoTokenizer
 
-import clover_hf.decoding as decoding
+import clover_hf.decode.loop as decoding
 from clover_hf import CloverForCausalLM
-from clover_hf.hardware import timed
-from clover_hf.data import mtbench_questions
+from clover_hf.core.hardware import timed
 from clover_hf.embedded import base_model_path, shipped_heads_path
+from clover_hf.training.data import mtbench_questions
 
 SETTINGS = {"cudnn off (default)": decoding.tree_attention_backends, "cudnn on": lambda device: contextlib.nullcontext()}
 

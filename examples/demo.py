@@ -14,9 +14,10 @@ import time
 
 import torch
 
-from clover_hf.cli import quiet_imports
+from clover_hf.core.hardware import cpu_capability, describe_machine, timed
+from clover_hf.cpu.dtype import default_dtype
 from clover_hf.embedded import load_default
-from clover_hf.hardware import cpu_capability, default_dtype, describe_machine, timed
+from clover_hf.tools.cli import quiet_imports
 
 PROMPTS = [
     "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences "

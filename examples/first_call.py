@@ -20,10 +20,11 @@ import time
 
 import torch
 
-from clover_hf.bench import encode_batches, read_prompts
-from clover_hf.budget import DraftBudget
+from clover_hf.core.hardware import describe_machine
+from clover_hf.cpu.dtype import default_dtype
+from clover_hf.decode.budget import DraftBudget
 from clover_hf.embedded import load_default
-from clover_hf.hardware import default_dtype, describe_machine
+from clover_hf.tools.bench import encode_batches, read_prompts
 
 
 def main() -> None:

@@ -166,8 +166,8 @@ class Session:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from clover_hf.features import first_prompt, self_distill
-        from clover_hf.pipeline import read_records
+        from clover_hf.training.features import first_prompt, self_distill
+        from clover_hf.training.pipeline import read_records
 
         chats = [r for r in read_records(self.args.data, None) if not isinstance(r, str)]
         path = self.base_dir("bfloat16")
@@ -193,7 +193,7 @@ class Session:
             for packed in (self.work / "clover").glob("packed-*.safetensors"):  # tokenized and packed once
                 if not (out / packed.name).exists():
                     shutil.copy(packed, out / packed.name)
-        cmd = [sys.executable, "-m", "clover_hf.cli", "train", "--base-model", self.base_dir("bfloat16"),
+        cmd = [sys.executable, "-m", "clover_hf.tools.cli", "train", "--base-model", self.base_dir("bfloat16"),
                "--data", *a.data, str(self.work / "answers.jsonl"), "--online", "--max-length", str(a.max_length),
                "--workers", str(a.workers), "--num-heads", str(a.num_heads), "--draft-vocab-size", str(a.draft_vocab_size),
                "--batch-size", str(a.batch_size), "--lr", "1e-3", "--warmup-steps", str(a.warmup_steps),
@@ -215,7 +215,7 @@ class Session:
             self.mark("accuracy")
 
     def bench(self, name: str, heads: Path, medusa: Path | None) -> None:
-        cmd = [sys.executable, "-m", "clover_hf.cli", "bench", "--heads", str(heads), "--base-model",
+        cmd = [sys.executable, "-m", "clover_hf.tools.cli", "bench", "--heads", str(heads), "--base-model",
                self.base_dir("bfloat16"), "--device", self.args.device, "--dtype", "bfloat16", "--prompts",
                self.args.prompts, "--limit", str(self.args.bench_limit), "--max-new-tokens", str(self.args.max_new_tokens),
                "--no-prompt-lookup", "--recheck", "0", "--no-static", "--variants", '{"auto": {}, "full": {"budget": "full"}}',
@@ -229,7 +229,7 @@ class Session:
         heads the session started with, else the ones it trained): what Clover adds where transformers users
         already compile."""
         heads = self.args.old_heads or str(self.work / "clover" / "heads")
-        cmd = [sys.executable, "-m", "clover_hf.cli", "bench", "--heads", heads, "--base-model", self.base_dir("bfloat16"),
+        cmd = [sys.executable, "-m", "clover_hf.tools.cli", "bench", "--heads", heads, "--base-model", self.base_dir("bfloat16"),
                "--device", self.args.device, "--dtype", "bfloat16", "--prompts", self.args.prompts, "--limit",
                str(self.args.static_limit), "--max-new-tokens", str(self.args.max_new_tokens), "--no-prompt-lookup",
                "--no-medusa", "--recheck", "0", "--static", "--out-dir", str(self.work / "bench-static")]

@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from clover_hf.bench import read_prompts
-from clover_hf.cli import quiet_imports
-from clover_hf.hardware import describe_machine
+from clover_hf.core.hardware import describe_machine
+from clover_hf.tools.bench import read_prompts
+from clover_hf.tools.cli import quiet_imports
 
 
 def main() -> None:

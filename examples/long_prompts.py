@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from clover_hf.data import sharegpt_conversations
+from clover_hf.training.data import sharegpt_conversations
 
 ASK = "\n\nSummarize the conversation above in a few sentences."
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import torch
 
-from clover_hf.card import write_model_card
-from clover_hf.config import validate_tree
-from clover_hf.tree import tree_from_accuracies
 from clover_hf.embedded import DEFAULT_BASE_NAME, shipped_heads_path
-from clover_hf.hub import load_heads, save_heads
+from clover_hf.heads.config import validate_tree
+from clover_hf.heads.tree import tree_from_accuracies
+from clover_hf.hub.card import write_model_card
+from clover_hf.hub.repo import load_heads, save_heads
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
-from pathlib import Path
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,7 +38,7 @@ def converted(cache_root) -> Path:
 def cli_error(capsys):
     """Run `clover-hf` with these arguments, expecting a user error: it exits with 2 after printing one line,
     `clover-hf: error: ...`, and no traceback. Returns that line."""
-    from clover_hf.cli import main
+    from clover_hf.tools.cli import main
 
     def run(argv: list[str]) -> str:
         capsys.readouterr()

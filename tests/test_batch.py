@@ -7,7 +7,8 @@ import warnings
 import pytest
 import torch
 
-from clover_hf import CloverForCausalLM, rows
+from clover_hf import CloverForCausalLM
+from clover_hf.decode import rows
 
 from .test_decoding import DRAFTING
 from .tiny import ARCHS, left_padded, oracle_model, prompt, same, tiny_model

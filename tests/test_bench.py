@@ -12,9 +12,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from clover_hf import CloverForCausalLM
-from clover_hf.bench import (MethodResult, encode_batches, markdown_table, read_prompts, run_benchmark,
-                             slowest_prompts, speculation_shares)
-from clover_hf.cli import main
+from clover_hf.tools.bench import (
+    MethodResult,
+    encode_batches,
+    markdown_table,
+    read_prompts,
+    run_benchmark,
+    slowest_prompts,
+    speculation_shares,
+)
+from clover_hf.tools.cli import main
 
 from .tiny import CHAT_TEMPLATE, byte_tokenizer, save_tiny_base, tiny_model
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clover_hf import bf16_kernel, decoding
-from clover_hf.linears import TILED, WeightCopies, form_linear, linear_forms, make_copy
+from clover_hf.cpu import kernel as bf16_kernel
+from clover_hf.cpu.linears import TILED, WeightCopies, form_linear, linear_forms, make_copy
+from clover_hf.decode import loop as decoding
 
-from .tiny import tiny_model
+from .tiny import patch_kernel, tiny_model
 
 COMPILER = bf16_kernel._compiler()
 needs_kernel = pytest.mark.skipif(not bf16_kernel.cpu_supports() or COMPILER is None,
@@ -146,12 +147,12 @@ def test_whole_forwards_in_the_tiled_form_match_f_linear(arch, isa, built, monke
 def test_where_built_the_kernel_is_the_first_kind_of_copy_for_bf16_weights(monkeypatch):
     """It comes before oneDNN's blocked layout (calls that learn their forms try the first kind only) but on CPUs
     with AMX, one row tries it, and float32 weights never get it."""
-    import clover_hf.linears as linears
-    from clover_hf.form_trials import FormTrials
+    import clover_hf.cpu.linears as linears
+    from clover_hf.cpu.form_trials import FormTrials
 
     monkeypatch.setattr(linears, "onednn_serves", lambda d: True)
     monkeypatch.setattr(linears, "onednn_packs", lambda: True)
-    monkeypatch.setattr(bf16_kernel, "available", lambda: True)
+    patch_kernel(monkeypatch, "available", lambda: True)
     monkeypatch.setattr(linears, "amx_cpu", lambda: False)
     assert linears.copy_forms_for(torch.bfloat16) == [TILED, "packed"]
     assert linears.copy_forms_for(torch.float32) == ["packed"]
@@ -166,7 +167,7 @@ def test_where_built_the_kernel_is_the_first_kind_of_copy_for_bf16_weights(monke
     monkeypatch.setattr(linears, "onednn_serves", lambda d: False)  # an AVX2-only CPU: torch converts bf16
     assert linears.copy_forms_for(torch.bfloat16)[0] == TILED
     monkeypatch.setattr(linears, "onednn_serves", lambda d: True)
-    monkeypatch.setattr(bf16_kernel, "available", lambda: False)
+    patch_kernel(monkeypatch, "available", lambda: False)
     assert linears.copy_forms_for(torch.bfloat16) == ["packed"]
 
 
@@ -185,7 +186,7 @@ def test_clover_decodes_with_tiled_verify_forwards(monkeypatch):
         compute = real(tiled, bias)
         return lambda x: calls.append(x.shape[-2] if x.dim() > 1 else 1) or compute(x)
 
-    monkeypatch.setattr(bf16_kernel, "product", counted)
+    patch_kernel(monkeypatch, "product", counted)
     clover = CloverForCausalLM.from_base(tiny_model("llama", dtype=torch.bfloat16), lookup_tokens=3)
     costs = CostModel.from_function(lambda rows, width: 10.0, draft_ms=0.0)  # the whole tree every step
     costs.forms = {1 << k: TILED for k in range(9)}
@@ -208,9 +209,9 @@ def test_without_a_compiler_the_kernel_is_left_out_with_torchs_kernels_computing
     monkeypatch.setattr(bf16_kernel, "instruction_set", lambda: "avx2")
     monkeypatch.setenv("CLOVER_HF_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    from clover_hf.linears import copy_forms_for
+    from clover_hf.cpu.linears import copy_forms_for
 
-    with caplog.at_level("INFO", logger="clover_hf.bf16_kernel"):
+    with caplog.at_level("INFO", logger="clover_hf.cpu.kernel"):
         assert not bf16_kernel.available()
     assert "not built" in caplog.text
     assert not list((tmp_path / "kernels").glob("*"))  # nothing half-written left behind
@@ -221,7 +222,7 @@ def test_without_a_compiler_the_kernel_is_left_out_with_torchs_kernels_computing
 
 @needs_kernel
 def test_the_kernel_is_built_once_into_the_cache_and_loaded_from_there(tmp_path, monkeypatch):
-    from clover_hf.budget import cost_key
+    from clover_hf.decode.budget import cost_key
 
     monkeypatch.setattr(bf16_kernel, "_library", None)
     monkeypatch.setattr(bf16_kernel, "_build_id", None)
@@ -297,13 +298,13 @@ def test_the_fused_rms_norm_rounds_as_the_module_but_for_rare_last_bits(arch, is
 def test_lean_layers_run_fused_norms_only_where_asked_in_bf16(monkeypatch):
     """With `pack` (a call in Clover's forms) a bf16 model's decoder layers norm, and take their MLP's SiLU times
     up, in one kernel call each; without it, or in float32, they run the modules' own (bitwise plain decoding's)."""
-    from clover_hf.lean_layers import lean_layers
+    from clover_hf.base.lean_layers import lean_layers
 
     made, mixed, summed = [], [], []
     real, real_mix, real_add = bf16_kernel.rms_norm, bf16_kernel.silu_mul, bf16_kernel.add_rms_norm
-    monkeypatch.setattr(bf16_kernel, "rms_norm", lambda w, eps, own: made.append(w.shape) or real(w, eps, own))
-    monkeypatch.setattr(bf16_kernel, "silu_mul", lambda gate, up: mixed.append(gate.shape) or real_mix(gate, up))
-    monkeypatch.setattr(bf16_kernel, "add_rms_norm", lambda w, eps: (
+    patch_kernel(monkeypatch, "rms_norm", lambda w, eps, own: made.append(w.shape) or real(w, eps, own))
+    patch_kernel(monkeypatch, "silu_mul", lambda gate, up: mixed.append(gate.shape) or real_mix(gate, up))
+    patch_kernel(monkeypatch, "add_rms_norm", lambda w, eps: (
         lambda add: lambda a, b: summed.append(a.shape) or add(a, b))(real_add(w, eps)))
     ids = torch.randint(0, 256, (1, 9))
     for dtype, pack, fused in ((torch.bfloat16, True, 4), (torch.bfloat16, False, 0), (torch.float32, True, 0)):
@@ -327,8 +328,8 @@ def test_lean_layers_run_fused_norms_only_where_asked_in_bf16(monkeypatch):
 def test_the_fused_rotary_embedding_is_bitwise_torchs(isa, built, monkeypatch):
     """Queries and keys as a projection's output views them (or as parts of a stacked q/k/v product), 1-16
     tokens, one and two rows: bitwise what torch's bf16 operations give, in the (B, heads, T, D) layout."""
-    from clover_hf.heads import rope_tables
-    from clover_hf.lean_layers import _rotary_together
+    from clover_hf.base.lean_layers import _rotary_together
+    from clover_hf.heads.modules import rope_tables
 
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     torch.manual_seed(0)
@@ -517,7 +518,7 @@ def _record_attention(monkeypatch) -> list[int]:
             calls.append(args[0].shape[2])
         return out
 
-    monkeypatch.setattr(bf16_kernel, "attention", attention)
+    patch_kernel(monkeypatch, "attention", attention)
     return calls
 
 
@@ -527,7 +528,7 @@ def test_lean_layers_attend_in_the_kernel_only_where_asked_in_bf16(arch, monkeyp
     tokens without a mask (causal, as SDPA's forward takes it), a forward of 3 tokens under an explicit mask (as
     verify forwards pass one), and one token over the cache without a mask; the logits stay close to the model's
     own."""
-    from clover_hf.lean_layers import lean_layers
+    from clover_hf.base.lean_layers import lean_layers
 
     if not _kernel_attends():
         pytest.skip("no kernel on this CPU")
@@ -582,7 +583,7 @@ def test_the_heads_draft_in_bf16_through_the_kernel_as_close_as_bf16_rounds(monk
     calls = _record_attention(monkeypatch)
     gates = []
     real_gate = bf16_kernel.cosine_gate
-    monkeypatch.setattr(bf16_kernel, "cosine_gate", lambda h, *args: gates.append(h.shape[1]) or real_gate(h, *args))
+    patch_kernel(monkeypatch, "cosine_gate", lambda h, *args: gates.append(h.shape[1]) or real_gate(h, *args))
     base, heads, g = _random_bf16_heads()
     T, H = 23, base.config.hidden_size
     hidden, embeds = (torch.randn(1, T, H, generator=g).to(torch.bfloat16) for _ in range(2))
@@ -628,7 +629,7 @@ def test_rope_tables_read_from_the_position_table_are_bitwise_the_computed_ones(
     """Without gradients on the CPU the heads' cos and sin come from a table of positions, grown as longer texts
     need: bitwise what computing them for the positions gives (a row of positions in order read as a view of it,
     others gathered)."""
-    from clover_hf.heads import _rope_angles, rope_tables
+    from clover_hf.heads.modules import _rope_angles, rope_tables
 
     for positions in (torch.tensor([[0, 1, 2]]), torch.tensor([[9]]), torch.tensor([[4, 3, 7]]),
                       torch.tensor([[5, 9], [700, 701]]), torch.arange(3000)[None]):
@@ -653,7 +654,7 @@ def test_the_int8_product_is_the_dequantized_product_to_bf16_rounding(isa, rows,
     builds, the same outputs from each (the same int32 sums); a row not finite gives NaNs."""
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     torch.manual_seed(rows)
-    from clover_hf.heads import DraftLMHead
+    from clover_hf.heads.modules import DraftLMHead
 
     weight = torch.randn(96, 64, dtype=torch.bfloat16)
     bias = torch.randn(96, dtype=torch.bfloat16) if with_bias else None
@@ -787,8 +788,8 @@ def test_a_whole_decoder_layer_in_one_call_is_bitwise_its_calls_one_by_one(arch,
     forward of 3 tokens a row and a one-token one without a mask: logits and cached keys and values bitwise those of
     their kernel calls one by one. A causal prefill without a mask, and products without tiled copies, leave it to those
     calls."""
-    import clover_hf.lean_layers as lean
-    from clover_hf.cache import new_cache
+    import clover_hf.base.lean_layers as lean
+    from clover_hf.base.cache import new_cache
 
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     calls = []
@@ -840,7 +841,7 @@ def test_the_augmenting_blocks_layers_in_one_call_each_are_bitwise_their_calls_o
     """Drafting in bf16 with the heads' products in the tiled form, each Augmenting Block layer extends its cache as
     one kernel call once the cache holds keys (not for the first positions): the features and the cached keys and
     values bitwise those of its calls one by one, a few positions at a time; the heads can still be copied."""
-    from clover_hf.heads import AugmentLayer
+    from clover_hf.heads.modules import AugmentLayer
 
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     base, heads, g = _random_bf16_heads()
@@ -934,7 +935,7 @@ def test_the_output_head_and_attention_decoder_in_one_call_each_round_as_torchs_
     calls = []
     for name in ("output_head", "attention_decoder"):
         real = getattr(bf16_kernel, name)
-        monkeypatch.setattr(bf16_kernel, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+        patch_kernel(monkeypatch, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     base, heads, g = _random_bf16_heads(norms=1.0, decoder_bias=True)
     s, e = (torch.randn(3, base.config.hidden_size, generator=g).to(torch.bfloat16) for _ in range(2))
     for module in (heads.heads[1], heads.regressive):
@@ -953,9 +954,9 @@ def test_where_torch_has_no_bf16_products_a_first_call_takes_the_tiled_forms_wit
     """bf16 on a CPU whose torch converts bf16 around each product, with the kernel built: the forms are the kernel's
     tiled copies at every row count from the first call (stored, nothing pending), no form trials run, and the copies
     are made; where oneDNN computes bf16, or in float32, the forms are learnt as before."""
-    import clover_hf.linears as linears
+    import clover_hf.cpu.linears as linears
     from clover_hf import CloverForCausalLM, DraftBudget
-    from clover_hf.budget import load_costs
+    from clover_hf.decode.budget import load_costs
 
     from .tiny import prompt
 
@@ -979,8 +980,8 @@ def test_a_static_trees_draft_in_one_kernel_call_is_bitwise_the_levels_one_by_on
     levels (regressive decoder, output head, draft rows, top-k, the next level's embeddings) run as one kernel call,
     made once per tree, whose tokens (through the draft vocabulary's ids) and probabilities are bitwise those of the
     heads' modules level by level, for the whole tree and one cut shallower; the heads can still be copied."""
-    from clover_hf.drafting import static_trees
-    from clover_hf.heads import CloverHeads
+    from clover_hf.decode.drafting import static_trees
+    from clover_hf.heads.modules import CloverHeads
 
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     base, heads, g = _random_bf16_heads(norms=1.0, decoder_bias=True, draft_vocab_size=64)
@@ -1027,8 +1028,8 @@ def test_the_kernels_take_the_tiled_copies_at_a_verify_forwards_row_counts_whate
     """A row count up to PACK_ROWS that settled on another form (F.linear timed a little faster product by product, or
     by chance) still has its kernel calls: the heads' draft in one call, bitwise as where every row count is tiled, and
     the decoder layers' tiled weights. Past PACK_ROWS (a prefill) the row count's own form stands."""
-    from clover_hf.drafting import static_trees
-    from clover_hf.linears import LINEAR, PACK_ROWS, kernel_weights, layer_weights
+    from clover_hf.cpu.linears import LINEAR, PACK_ROWS, kernel_weights, layer_weights
+    from clover_hf.decode.drafting import static_trees
 
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     base, heads, g = _random_bf16_heads(norms=1.0, draft_vocab_size=64)
@@ -1066,9 +1067,9 @@ def test_verify_forwards_of_a_model_whose_layers_run_in_one_call_skip_its_python
     tree of 3 tokens a row and a one-token step (its rows padded but the first: the mask it skips where none are). Where
     the check fails its own forward runs from then on, with a
     warning; so it does where the model has hooks."""
-    import clover_hf.lean_layers as lean
-    from clover_hf import verify_forward
-    from clover_hf.cache import new_cache
+    import clover_hf.base.lean_layers as lean
+    from clover_hf.base import verify_forward
+    from clover_hf.base.cache import new_cache
 
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
@@ -1132,9 +1133,9 @@ def test_verify_forwards_of_changing_widths_look_each_forms_weights_up_once(isa,
     a block of linear forms (not at every change, nor for each row count of the form), a tree's mask goes through the
     model's mask function until it is seen returned as given, and forwards of 3, 1, 3 and 1 tokens stay bitwise the
     model's own."""
-    import clover_hf.lean_layers as lean
-    from clover_hf import verify_forward
-    from clover_hf.cache import new_cache
+    import clover_hf.base.lean_layers as lean
+    from clover_hf.base import verify_forward
+    from clover_hf.base.cache import new_cache
 
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
@@ -1184,9 +1185,9 @@ def test_verify_forwards_that_outgrow_the_caches_stores_point_the_kernels_at_the
     forwards that outgrow them (stores of 2 spare slots), or follow keys and values a caller set, get new stores, which
     the kernels are pointed at: the outputs and the cache stay bitwise those of the layers run one by one, and the
     stores were made anew along the way."""
-    import clover_hf.lean_layers as lean
-    from clover_hf import verify_forward
-    from clover_hf.cache import GrowingLayer, new_cache
+    import clover_hf.base.lean_layers as lean
+    from clover_hf.base import verify_forward
+    from clover_hf.base.cache import GrowingLayer, new_cache
 
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
@@ -1227,9 +1228,9 @@ def test_the_layers_in_one_call_point_at_their_cache_again_after_a_layer_by_itse
     """Between two forwards over one cache in one kernel call, the layers ran one by one over another cache (their
     kernels pointed at its stores): the next forward points them back, its output and cache bitwise those of the
     layers run one by one throughout."""
-    import clover_hf.lean_layers as lean
-    from clover_hf import verify_forward
-    from clover_hf.cache import new_cache
+    import clover_hf.base.lean_layers as lean
+    from clover_hf.base import verify_forward
+    from clover_hf.base.cache import new_cache
 
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
@@ -1265,9 +1266,9 @@ def test_the_keys_laid_out_beside_the_cache_are_laid_out_again_where_they_change
     only the slots written since: verify forwards whose trees are compacted (kept nodes moved back), a forward of the
     layers in torch's ops (their keys written by the cache's update), a cache cut back and written again, and stores
     outgrown (2 spare slots): outputs and cache bitwise those with the keys laid out afresh at every call."""
-    import clover_hf.lean_layers as lean
-    from clover_hf import verify_forward
-    from clover_hf.cache import GrowingLayer, compact_cache, new_cache
+    import clover_hf.base.lean_layers as lean
+    from clover_hf.base import verify_forward
+    from clover_hf.base.cache import GrowingLayer, compact_cache, new_cache
 
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
@@ -1426,7 +1427,7 @@ def test_the_screen_declines_what_it_cannot_bound(isa, built, monkeypatch):
 def test_an_lm_heads_screen_is_kept_while_its_weight_and_bias_are_unchanged(isa, built, monkeypatch):
     """The screen of an nn.Linear lm_head is made once and served again, and made anew where its weight changed in
     place or was replaced, or its bias changed: a stale screen would bound the old weights' logits."""
-    from clover_hf.lean_layers import lm_head_screen
+    from clover_hf.base.lean_layers import lm_head_screen
 
     monkeypatch.setattr(bf16_kernel, "_library", built(isa))
     lm_head = torch.nn.Linear(32, 64, bias=True).bfloat16()
@@ -1456,8 +1457,8 @@ def test_an_lm_heads_screen_is_kept_while_its_weight_and_bias_are_unchanged(isa,
 def _verify_settled(monkeypatch) -> list[bool]:
     """Each verify forward's `settled` from now on, a process's one-off checks (the lean forward's and the lm_head
     screen's) to run again."""
-    import clover_hf.lean_layers as lean
-    from clover_hf import verify_forward
+    import clover_hf.base.lean_layers as lean
+    from clover_hf.base import verify_forward
 
     settled = []
     real = verify_forward.VerifyForward.__call__
@@ -1476,9 +1477,10 @@ def test_greedy_decoding_reads_the_lm_heads_screen_and_emits_the_same_tokens(arc
     A call that keeps scores, or whose stopping criteria may read them, computes the logits whole; so does every call
     after a screen's first choices in a process differed from the logits' argmax. The forward that makes the screen
     and checks its first choices is no step's cost."""
-    import clover_hf.lean_layers as lean
-    from clover_hf import CostModel, DraftBudget
     from transformers import StoppingCriteria, StoppingCriteriaList
+
+    import clover_hf.base.lean_layers as lean
+    from clover_hf import CostModel, DraftBudget
 
     from .tiny import prompt, random_heads
 
@@ -1536,7 +1538,7 @@ def test_sampling_through_a_top_k_cut_reads_the_lm_heads_screen_and_draws_the_sa
     the whole logits give. A repetition penalty before the cut reads every logit: the screen is not asked. A screen whose first
     columns in a process miss one the cut keeps is not used again, with a warning. The forwards that check the lean
     forward and the screen (a process's first) are no step's cost."""
-    import clover_hf.lean_layers as lean
+    import clover_hf.base.lean_layers as lean
     from clover_hf import CostModel, DraftBudget
 
     from .tiny import prompt, random_heads
@@ -1589,7 +1591,7 @@ def test_sampling_through_a_top_k_cut_reads_the_lm_heads_screen_and_draws_the_sa
 def test_batched_sampling_through_the_screen_draws_what_the_whole_logits_draw(monkeypatch):
     """A batch's rows share the screen's columns (those any of its tokens may take): seeded, two rows sampled through
     a top-k cut draw the tokens the whole logits give."""
-    import clover_hf.lean_layers as lean
+    import clover_hf.base.lean_layers as lean
     from clover_hf import CostModel, DraftBudget
 
     from .tiny import prompt, random_heads

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from clover_hf import CloverForCausalLM, CostModel, DraftBudget
-from clover_hf.budget import (
+from clover_hf.core.hardware import native_bf16_cpu
+from clover_hf.cpu.dtype import default_dtype
+from clover_hf.decode.budget import (
     CATCH_UP_STEPS,
     COSTS_FILE,
     HEAD_BINS,
@@ -29,9 +31,8 @@ from clover_hf.budget import (
     prune,
     save_costs,
 )
-from clover_hf.hardware import default_dtype, native_bf16_cpu
 
-from .tiny import ARCHS, left_padded, prompt, same, tiny_model
+from .tiny import ARCHS, left_padded, patch_kernel, prompt, same, tiny_model
 
 FLAT = CostModel.from_function(lambda rows, width: 10.0, draft_ms=0.0)  # verifying more costs nothing
 STEEP = CostModel.from_function(lambda rows, width: 10.0 * rows * width, draft_ms=5.0)  # each token costs a forward
@@ -294,7 +295,7 @@ def test_likeliest_nodes_form_a_tree():
 def test_heads_gate_pauses_long_enough_that_judging_the_heads_again_costs_a_tenth_of_the_pause():
     """Drafting that costs most of a verify step (a batch's rows draft one by one) is judged again only after
     PROBE_STEPS * its cost / PROBE_SHARE of paused steps, not after MIN_PAUSE."""
-    from clover_hf.budget import MAX_PAUSE, PROBE_SHARE
+    from clover_hf.decode.budget import MAX_PAUSE, PROBE_SHARE
 
     gate = HeadsGate()
     for _ in range(PROBE_STEPS):
@@ -461,7 +462,7 @@ def test_auto_budget_learns_its_costs_in_the_first_call_and_stays_exact(tmp_path
     monkeypatch.setattr(DraftBudget, "form_trials", lambda self, *args: None)
     # a tiny model's steps take a millisecond or two: one hiccup (a CI run timed a 6-token step at 3x a one-token
     # one) would end the exploring early, by the rule test_first_steps_stop_learning_wider_widths... checks
-    monkeypatch.setattr("clover_hf.choosing.EXPLORE_LIMIT", float("inf"))
+    monkeypatch.setattr("clover_hf.decode.choosing.EXPLORE_LIMIT", float("inf"))
     base = tiny_model("qwen2")
     clover = CloverForCausalLM.from_base(base, lookup_tokens=2, lookup_max_tokens=4)
     ids = prompt(7)
@@ -485,15 +486,14 @@ def test_bad_budget_is_refused_before_any_forward():
 
 
 def test_default_dtype_follows_the_cpu(monkeypatch):
-    import clover_hf.hardware as hardware
-
-    import clover_hf.bf16_kernel as bf16_kernel
+    import clover_hf.core.hardware as hardware
+    import clover_hf.cpu.kernel as bf16_kernel
 
     monkeypatch.setattr(hardware, "cpu_capability", lambda: "AVX2")
     monkeypatch.setattr(hardware, "bf16_reads_faster_cpu", lambda: False)
-    monkeypatch.setattr(bf16_kernel, "available", lambda: True)  # the compiled kernel reads bf16 alone
+    patch_kernel(monkeypatch, "available", lambda: True)  # the compiled kernel reads bf16 alone
     assert not native_bf16_cpu() and default_dtype("cpu") == torch.bfloat16
-    monkeypatch.setattr(bf16_kernel, "available", lambda: False)  # no compiler, or CLOVER_HF_KERNEL=0
+    patch_kernel(monkeypatch, "available", lambda: False)  # no compiler, or CLOVER_HF_KERNEL=0
     assert default_dtype("cpu") == torch.float32
     monkeypatch.setattr(hardware, "bf16_reads_faster_cpu", lambda: True)  # no native bf16, but measured faster
     assert default_dtype("cpu") == torch.bfloat16
@@ -545,8 +545,8 @@ def test_weight_copies_setting_is_checked_and_keys_the_costs():
 def test_first_steps_stop_learning_wider_widths_once_one_costs_three_one_token_steps():
     import time
 
-    from clover_hf.budget import AcceptanceModel
-    from clover_hf.choosing import EXPLORE_LIMIT, StepBudget
+    from clover_hf.decode.budget import AcceptanceModel
+    from clover_hf.decode.choosing import EXPLORE_LIMIT, StepBudget
 
     budget = DraftBudget(cache_dir="unused")  # nothing is saved here
     step = StepBudget(budget, "k", CostModel(), AcceptanceModel(3, 4), depth=3, lookup_max=4, explore=[1, 2, 4, 8])
@@ -569,8 +569,8 @@ def test_widths_timed_while_the_forms_were_learnt_are_timed_again_once_steps_run
     products; a provisional step leaves a settled cost alone."""
     import time
 
-    from clover_hf.budget import MAX_DOUBT, AcceptanceModel
-    from clover_hf.choosing import EXPLORE_LIMIT, StepBudget
+    from clover_hf.decode.budget import MAX_DOUBT, AcceptanceModel
+    from clover_hf.decode.choosing import EXPLORE_LIMIT, StepBudget
 
     budget = DraftBudget(cache_dir="unused")
     step = StepBudget(budget, "k", CostModel(), AcceptanceModel(3, 4), depth=3, lookup_max=4, explore=[1, 4, 8])
@@ -600,8 +600,8 @@ def test_a_step_verifies_the_width_the_form_trials_learn_at_most_learn_steps_a_c
     """`StepBudget.learn` puts the form trials' width first among those explored (whatever its cost), unless
     steps verify one token for now (`cap`), at most LEARN_STEPS steps a call: forms that never settle must not
     hold a call's steps at that width."""
-    from clover_hf.budget import AcceptanceModel
-    from clover_hf.choosing import LEARN_STEPS, StepBudget
+    from clover_hf.decode.budget import AcceptanceModel
+    from clover_hf.decode.choosing import LEARN_STEPS, StepBudget
 
     step = StepBudget(DraftBudget(cache_dir="unused"), "k", CostModel({1: {1: 1.0, 4: 500.0}}), AcceptanceModel(3, 4),
                       depth=3, lookup_max=4, explore=[8])
@@ -652,8 +652,8 @@ def test_drafting_cost_spread_over_more_tokens_makes_wider_widths_pay():
 
 def _chain_draft(probs: list[float]):
     """A row's draft: its root and a chain of heads' tokens drafted with these probabilities."""
-    from clover_hf.drafting import Draft
-    from clover_hf.tree import StepTree
+    from clover_hf.decode.drafting import Draft
+    from clover_hf.heads.tree import StepTree
 
     n = len(probs) + 1
     tree = StepTree.from_parents(torch.tensor([0, *range(n - 1)]), torch.arange(n), n - 1)
@@ -666,7 +666,7 @@ def test_a_batch_times_a_wider_width_only_when_its_drafts_could_pay_for_it():
     any other, and one row explores whatever its drafts."""
     import time
 
-    from clover_hf.choosing import StepBudget
+    from clover_hf.decode.choosing import StepBudget
 
     one_row = {1: 10.0, 2: 12.0, 4: 14.0, 8: 20.0}  # 4 rows x 2 tokens: 20 ms against 14 for 4 x 1, 1.43x
     costs = CostModel({1: dict(one_row), 4: {1: 14.0}})
@@ -695,7 +695,7 @@ def test_the_heads_gate_judges_afresh_once_the_linear_forms_settle():
     settled steps stand."""
     import time
 
-    from clover_hf.choosing import StepBudget
+    from clover_hf.decode.choosing import StepBudget
 
     budget = DraftBudget(costs=FLAT)
     gate = budget.gate
@@ -726,7 +726,7 @@ def test_the_heads_gate_judges_afresh_once_the_linear_forms_settle():
 def test_a_first_timing_of_a_width_counts_at_most_twice_what_narrower_widths_predict():
     """One stalled step timed as a width's first cost must not price it out: it counts at most OUTLIER times the
     narrower widths' prediction (proportional past the widest); with nothing narrower timed it stands as timed."""
-    from clover_hf.budget import OUTLIER
+    from clover_hf.decode.budget import OUTLIER
 
     costs = CostModel()
     costs.record(1, 1, 10.0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from clover_hf.cache import GrowingLayer, compact_cache, new_cache, select_rows
+from clover_hf.base.cache import GrowingLayer, compact_cache, new_cache, select_rows
 
 KINDS = [pytest.param(DynamicCache, id="concatenating"), pytest.param(new_cache, id="growing")]
 
@@ -46,7 +46,7 @@ def test_select_rows_drops_rows_and_unused_slots(kind):
 
 
 def test_select_slots_gathers_per_row():
-    from clover_hf.cache import select_slots
+    from clover_hf.base.cache import select_slots
 
     cache = _cache(batch=2, length=5)
     select_slots(cache, torch.tensor([[1, 3], [4, 0]]))
@@ -55,7 +55,7 @@ def test_select_slots_gathers_per_row():
 
 
 def test_compact_cache_moves_only_what_is_out_of_place(monkeypatch):
-    import clover_hf.cache as cache_module
+    import clover_hf.base.cache as cache_module
 
     assert cache_module._in_place(torch.tensor([[0, 1, 4]])) == 2
     assert cache_module._in_place(torch.tensor([[0, 2, 3], [0, 4, 0]])) == 1  # every row must agree
@@ -198,7 +198,7 @@ def test_compaction_in_the_kernel_moves_what_torch_moves(monkeypatch):
     """Where the kernel is loaded, compaction moves every layer's slots in one call: the kept slots hold what torch's
     gathers put there (a padded slot, masked out, may hold another), for rows that keep different nodes, float32 and
     bf16, growing and concatenated layers; and never where it is not loaded."""
-    from clover_hf import bf16_kernel
+    from clover_hf.cpu import kernel as bf16_kernel
 
     if not bf16_kernel.cpu_supports() or bf16_kernel._compiler() is None or not bf16_kernel.available():
         pytest.skip("no kernel on this CPU")
@@ -234,7 +234,7 @@ def test_compaction_keeps_the_kernels_pointers_while_the_stores_hold_and_reads_t
     """A growing cache's compactions move slots through one `SlotMover` while its layers hold the same stores; once
     they grow (new tensors) or a caller replaces a layer's keys, a new one reads the new tensors' addresses, and the
     kept slots hold what they should (moves through the old pointers would have written the old stores)."""
-    from clover_hf import bf16_kernel
+    from clover_hf.cpu import kernel as bf16_kernel
 
     if not bf16_kernel.cpu_supports() or bf16_kernel._compiler() is None or not bf16_kernel.available():
         pytest.skip("no kernel on this CPU")

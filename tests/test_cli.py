@@ -11,8 +11,9 @@ import sys
 import pytest
 import torch
 
-from clover_hf import cli, data
-from clover_hf.cli import DEBUG_ENV, main, user_error
+from clover_hf.tools import cli
+from clover_hf.tools.cli import DEBUG_ENV, main, user_error
+from clover_hf.training import data
 
 from .test_training import _args, _chats, tiny_base  # noqa: F401  (tiny_base is a fixture)
 
@@ -79,7 +80,7 @@ def test_debug_shows_the_traceback(tmp_path, monkeypatch, how):
 
 def test_the_console_prints_one_line(tmp_path):
     """As a user sees it: the whole of stderr, import-time messages of other libraries included."""
-    argv = [sys.executable, "-m", "clover_hf.cli", *_args(str(tmp_path / "nowhere"), _chats(tmp_path / "c.jsonl"), tmp_path / "o")]
+    argv = [sys.executable, "-m", "clover_hf.tools.cli", *_args(str(tmp_path / "nowhere"), _chats(tmp_path / "c.jsonl"), tmp_path / "o")]
     env = {k: v for k, v in os.environ.items() if k != DEBUG_ENV}
     quiet = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
     assert quiet.returncode == 2

@@ -4,15 +4,14 @@ learned through the real decoding loop."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from clover_hf import CloverForCausalLM
-from clover_hf.features import Example, FeatureSet, cache_features
-from clover_hf.heads import CloverHeads
-from clover_hf.training import Trainer, TrainConfig
-from clover_hf.tree import build_tree
+from clover_hf.heads.modules import CloverHeads
+from clover_hf.heads.tree import build_tree
+from clover_hf.training.features import Example, FeatureSet, cache_features
+from clover_hf.training.trainer import TrainConfig, Trainer
 
 from .tiny import prompt, random_heads, same, tiny_model
 

@@ -95,8 +95,8 @@ def test_cuda_shipped_heads_exact(converted, cache, rate):
     the step costs it times (1.18 tokens a step on these prompts on an H200), which no test should assert."""
     from transformers import AutoTokenizer
 
-    from clover_hf.data import mtbench_questions
     from clover_hf.embedded import shipped_heads_path
+    from clover_hf.training.data import mtbench_questions
 
     model = CloverForCausalLM.from_pretrained(shipped_heads_path(), base_model=str(converted),
                                               dtype=torch.float32).to(CUDA)
@@ -136,8 +136,8 @@ def test_cuda_tree_forwards_run_without_cudnn_attention():
 def test_cuda_packed_examples_keep_apart():
     """Packed rows on the GPU: the base's targets and the heads' outputs per example equal those of the
     example alone (TF32 off, float32), as on the CPU."""
-    from clover_hf.features import Example, base_targets
-    from clover_hf.packing import PackedRows
+    from clover_hf.training.features import Example, base_targets
+    from clover_hf.training.packing import PackedRows
 
     base = tiny_model("llama").to(CUDA)
     heads = CloverForCausalLM.from_base(base, num_heads=2).clover_heads
@@ -162,9 +162,9 @@ def test_cuda_online_training_in_bf16_autocast_learns(tmp_path, labels):
     stays as it was, the heads stay float32."""
     from accelerate import Accelerator
 
-    from clover_hf.features import Example
-    from clover_hf.packing import PackedRows
-    from clover_hf.training import Trainer, TrainConfig
+    from clover_hf.training.features import Example
+    from clover_hf.training.packing import PackedRows
+    from clover_hf.training.trainer import TrainConfig, Trainer
 
     base = tiny_model("llama", dtype=torch.bfloat16).to(CUDA).requires_grad_(False)
     head_type = {"full": "clover", "data": "medusa"}[labels]
@@ -189,7 +189,7 @@ def test_cuda_static_cache_with_cuda_graphs_matches_base(arch):
     """`cache_implementation="static"` on the GPU compiles the verify forward by transformers' own rules
     (its default CompileConfig: inductor with CUDA graphs): oracle heads, long paths, the base's output;
     each shape compiles once over two calls."""
-    from clover_hf import verify_forward
+    from clover_hf.base import verify_forward
 
     base = tiny_model(arch).to(CUDA)
     ids = prompt(3, length=9).to(CUDA)

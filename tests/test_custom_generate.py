@@ -8,8 +8,8 @@ import torch
 from huggingface_hub import list_repo_files
 
 from clover_hf import CloverForCausalLM
-from clover_hf.cli import main as cli_main
 from clover_hf.custom_generate import export_generate
+from clover_hf.tools.cli import main as cli_main
 
 from .test_hub import HEADS_REPO, heads_for, push_base
 from .tiny import prompt, tiny_model

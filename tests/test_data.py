@@ -1,11 +1,11 @@
-import io
 import importlib.util
+import io
 import json
 
 import pytest
 
-from clover_hf import data
-from clover_hf.data import load_records, mtbench_questions, sharegpt_conversations
+from clover_hf.training import data
+from clover_hf.training.data import load_records, mtbench_questions, sharegpt_conversations
 
 
 def write(tmp_path, name, text):
@@ -149,7 +149,7 @@ def test_missing_package_names_install_command(monkeypatch, func, command):
 
 def test_skip_and_limit_records(tmp_path):
     """A later training stage takes the records after an earlier stage's (`--skip-records`)."""
-    from clover_hf.pipeline import read_records
+    from clover_hf.training.pipeline import read_records
 
     path = write(tmp_path, "t.jsonl", "".join(json.dumps({"text": f"r{i}"}) + "\n" for i in range(5)))
     assert read_records([str(path)], 2, skip=1) == ["r1", "r2"]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import io
 import contextlib
+import io
 
 import pytest
 import torch
@@ -11,10 +11,10 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
 from clover_hf import CloverForCausalLM
-from clover_hf.cache import OUTPUT_CACHE_FIELD
-from clover_hf.decoding import clover_generate
-from clover_hf import rows
-from clover_hf.rows import Emitter
+from clover_hf.base.cache import OUTPUT_CACHE_FIELD
+from clover_hf.decode import rows
+from clover_hf.decode.loop import clover_generate
+from clover_hf.decode.rows import Emitter
 
 from .tiny import ARCHS, byte_tokenizer, check_stats, oracle_model, prompt, same, tiny_model
 
@@ -61,7 +61,7 @@ def test_oracle_heads_accept_long_paths(arch):
 
 def test_sliding_window_mask_matters():
     """Without the window in the mask, Gemma3's sliding layers would see too much: the test would fail."""
-    from clover_hf import verification
+    from clover_hf.decode import verification
 
     base = tiny_model("gemma3_text")
     ids = prompt(3, length=6)
@@ -315,7 +315,7 @@ def test_attention_mask_with_left_padding():
 def test_prefill_of_one_unpadded_prompt_builds_no_prompt_by_prompt_mask(arch, monkeypatch):
     """A long prompt's (P, P) mask would take gigabytes: one unpadded row without sliding layers is
     prefilled through the base's own causal mask, as in plain `generate`, and stays exact."""
-    import clover_hf.verification as verification
+    import clover_hf.decode.verification as verification
 
     widths = []
     build = verification.additive_mask
@@ -396,7 +396,7 @@ def test_tree_attention_leaves_out_cudnn_on_cuda_only():
     on CUDA run with cuDNN attention off. The flags are global, so this runs without a GPU."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from clover_hf.decoding import tree_attention_backends
+    from clover_hf.decode.loop import tree_attention_backends
 
     cuda = torch.device("cuda")
     every = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -434,7 +434,7 @@ def test_profiled_stages_are_the_steps_alone(monkeypatch):
     """The per-stage times describe decode steps: the prefill (made slow here) is not charged to drafting."""
     import time
 
-    from clover_hf import decoding
+    from clover_hf.decode import loop as decoding
 
     real = decoding.prefill
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from clover_hf import CloverForCausalLM
-from clover_hf.heads import DraftLMHead
+from clover_hf.heads.modules import DraftLMHead
 
 from .tiny import prompt, same, tiny_model
 
@@ -65,7 +65,7 @@ def test_generation_under_inference_mode():
 
 def test_what_decoding_caches_stays_usable_outside_inference_mode():
     """Decoding runs in inference mode; rows and trees it caches must not be inference tensors."""
-    from clover_hf.tree import build_tree
+    from clover_hf.heads.tree import build_tree
 
     base = tiny_model("llama")
     clover = CloverForCausalLM.from_base(base, draft_vocab_size=40)
@@ -121,7 +121,7 @@ def test_a_call_whose_steps_never_draft_makes_no_draft_rows():
 def test_bf16_int8_rows_compute_in_the_kernel_where_it_is_built():
     """Where the kernel is built (AVX2, or AVX-512 with VNNI), bf16 int8 rows compute in its int8 product, close to
     torch's int8 kernel (both exact products of the int8 rows, rounded to bf16); float32 rows never do."""
-    from clover_hf import bf16_kernel
+    from clover_hf.cpu import kernel as bf16_kernel
 
     torch.manual_seed(0)
     weight = torch.randn(64, 32, dtype=torch.bfloat16)
@@ -143,8 +143,8 @@ def test_rows_compute_from_a_copy_where_their_form_computes_from_one(dtype):
     `replace`s of the rows, not in F.linear (5.6 against 0.21 ms for 3 rows of SmolLM2's draft rows in float32)."""
     from dataclasses import replace
 
-    from clover_hf import bf16_kernel
-    from clover_hf.linears import PACKED, TILED, onednn_packs
+    from clover_hf.cpu import kernel as bf16_kernel
+    from clover_hf.cpu.linears import PACKED, TILED, onednn_packs
 
     form = TILED if dtype == torch.bfloat16 and bf16_kernel.available() else PACKED
     if form == PACKED and not onednn_packs():

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from clover_hf import CloverConfig, CloverForCausalLM, DynamicTree
-from clover_hf.tree import StepTree, build_tree, select_dynamic, with_chain
-from clover_hf.verification import accept_greedy
+from clover_hf.decode.verification import accept_greedy
+from clover_hf.heads.tree import StepTree, build_tree, select_dynamic, with_chain
 
 from .tiny import oracle_model, prompt, same, tiny_model
 
@@ -102,7 +102,7 @@ def test_dynamic_tree_saved_with_heads(tmp_path):
 def test_accelerator_tree_is_the_default_off_the_cpu_only():
     """Heads may carry a second, larger tree for accelerators at batch size 1; the CPU and batches keep
     the static tree, and an explicit tree wins everywhere."""
-    from clover_hf.drafting import tree_spec as _tree_spec
+    from clover_hf.decode.drafting import tree_spec as _tree_spec
 
     base = tiny_model("llama")
     ids = prompt(3, length=6)
@@ -133,7 +133,7 @@ def test_accelerator_tree_config_checks_and_round_trip(tmp_path):
 
 
 def test_model_card_describes_the_draft_settings():
-    from clover_hf.card import render_model_card
+    from clover_hf.hub.card import render_model_card
 
     static = CloverConfig(hidden_size=8, vocab_size=16, num_attention_heads=2, num_heads=3, tree=[[0], [1], [0, 0]])
     assert "static, 3 nodes, depth 2" in render_model_card(static)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import clover_hf.form_trials as form_trials
-import clover_hf.linears as linears
+import clover_hf.cpu.form_trials as form_trials
+import clover_hf.cpu.linears as linears
 from clover_hf import CloverForCausalLM, DraftBudget
-from clover_hf.budget import CostModel, load_costs
-from clover_hf.form_trials import COVERAGE, SAMPLES, FormTrials, row_bucket
-from clover_hf.linears import COPIES, LINEAR, NATIVE, PACK_ROWS, TRANSPOSED, WeightCopies, linear_forms
+from clover_hf.cpu.form_trials import COVERAGE, SAMPLES, FormTrials, row_bucket
+from clover_hf.cpu.linears import COPIES, LINEAR, NATIVE, PACK_ROWS, TRANSPOSED, WeightCopies, linear_forms
+from clover_hf.decode.budget import CostModel, load_costs
 
 from .tiny import CrossAttentionProjections, prompt, same, tiny_model
 
@@ -60,7 +60,7 @@ def forward_rows(model, rows: int) -> None:
 def test_a_first_call_learns_the_forms_from_its_own_products_and_stays_exact(arch, monkeypatch, tmp_path):
     """No stored forms: the call times no form apart (faster_forms is not run), its greedy output equals the base's
     in float32 over several calls, and what the products taught is stored with the row counts still pending."""
-    from clover_hf import decoding
+    from clover_hf.decode import loop as decoding
 
     monkeypatch.setattr(decoding, "faster_forms", lambda *a, **k: pytest.fail("forms timed apart"))
     base = tiny_model(arch)
@@ -135,9 +135,8 @@ def test_a_call_whose_forms_become_ready_runs_its_remaining_steps_outside_the_tr
     settled one: the trials compute a layer at a time, outside the decoder layers' one kernel call) is provisional. Bound as the call
     began, the layers' products of the row counts it learnt ran through the trials to its end; once the forms are
     ready, the call binds them again, and its remaining steps compute none there. Greedy output stays the base's."""
-    from clover_hf.choosing import StepBudget
-
-    from clover_hf.verify_forward import VerifyForward
+    from clover_hf.base.verify_forward import VerifyForward
+    from clover_hf.decode.choosing import StepBudget
 
     base = tiny_model("llama")
     clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
@@ -196,7 +195,7 @@ def test_the_width_to_learn_is_the_narrowest_verify_row_count_pending_while_the_
 def load_costs_all(cache_dir) -> dict[str, CostModel]:
     import json
 
-    from clover_hf.budget import COSTS_FILE
+    from clover_hf.decode.budget import COSTS_FILE
 
     data = json.loads((cache_dir / COSTS_FILE).read_text())
     return {k: load_costs(k, cache_dir) for k in data}
@@ -287,7 +286,7 @@ def test_a_prefill_times_the_copy_form_on_layers_a_stacked_copy_holds(monkeypatc
     """Where the verify forms settled on copies, a layer whose group computes from one stacked copy (q/k/v,
     gate/up) gets a copy of its own to be timed at a prefill's row count, though the call may not copy yet: else
     those shapes were never timed in the copy form, and the row count never settled (F.linear prefills for good)."""
-    from clover_hf.linears import onednn_packs
+    from clover_hf.cpu.linears import onednn_packs
 
     if not onednn_packs():
         pytest.skip("this torch build has no oneDNN: no blocked copies")  # every x86 CPU wheel has it
@@ -339,7 +338,7 @@ def test_copies_are_made_one_layer_at_a_time_while_the_call_is_ahead_of_plain(mo
     """A copy form is timed from copies made as products need them, one layer at a time, while the call is ahead
     of plain `generate` by its reserve (what it spends on them brings it back); where none may be made, other
     forms are timed."""
-    from clover_hf.linears import onednn_packs
+    from clover_hf.cpu.linears import onednn_packs
 
     if not onednn_packs():
         pytest.skip("this torch build has no oneDNN: no blocked copies")  # every x86 CPU wheel has it
@@ -391,7 +390,7 @@ def copy_form_timed(done: list[tuple[int, str]], trials: FormTrials) -> int:
 
 
 def test_stored_forms_and_pending_row_counts_survive_the_cache_file(tmp_path):
-    from clover_hf.budget import save_costs
+    from clover_hf.decode.budget import save_costs
 
     save_costs("m", CostModel({1: {1: 5.0}}, forms={1: "native", 4: "packed"}, pending=[32, 64],
                               fallbacks={1: "native", 4: "transposed"}, provisional={(1, 4), (4, 2)}), tmp_path)
@@ -430,7 +429,7 @@ def test_a_verify_row_count_still_to_learn_is_verified_though_its_widths_were_ti
     being timed. A call that may learn verifies the narrowest pending row count (`StepBudget.learn`) until it
     settles. Costs stored as timed provisionally are timed again once a step runs settled at as many tokens or
     more, in a later call too. Greedy output stays the base's."""
-    from clover_hf.budget import save_costs
+    from clover_hf.decode.budget import save_costs
 
     base = tiny_model("llama")
     clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
@@ -536,8 +535,8 @@ def test_a_new_process_makes_the_stored_forms_copies_as_its_calls_get_ahead_of_p
 def _stored_copy_forms(tmp_path, rows: tuple[int, ...], fallbacks: dict[int, str] | None = None):
     """A tiny llama, its Clover model, a prompt, the base's greedy output, and the key of forms stored as an earlier
     process would, computing from oneDNN's blocked copies at these row counts, with these `fallbacks`."""
-    from clover_hf.budget import save_costs
-    from clover_hf.linears import PACKED, onednn_packs
+    from clover_hf.cpu.linears import PACKED, onednn_packs
+    from clover_hf.decode.budget import save_costs
 
     if not onednn_packs():
         pytest.skip("this torch build has no oneDNN: no blocked copies")
@@ -588,7 +587,7 @@ def test_forms_stored_without_one_rows_fallback_are_learnt_again_as_on_a_first_c
 def test_one_row_settles_without_the_copy_form_where_no_wider_row_count_took_it(monkeypatch):
     """One row times the copy form only once every copy is made; where the wider verify row counts all settled on
     forms without copies, none is made, and one row settles on the others."""
-    from clover_hf.linears import onednn_packs
+    from clover_hf.cpu.linears import onednn_packs
 
     if not onednn_packs():
         pytest.skip("this torch build has no oneDNN: no blocked copies")
@@ -613,7 +612,7 @@ def test_calls_of_one_token_steps_alone_make_the_copies_one_row_is_timed_in(monk
     count makes the copy form's copies, so one row makes them (as the call gets ahead of plain), is timed in that
     form too and settles on it where fastest, though by less than the memory rule asks of copies no wider row count
     keeps (`COPY_GAIN`): those are still to try it. Before, one row stayed pending, its products in F.linear."""
-    from clover_hf.linears import onednn_packs
+    from clover_hf.cpu.linears import onednn_packs
 
     if not onednn_packs():
         pytest.skip("this torch build has no oneDNN: no blocked copies")
@@ -639,7 +638,7 @@ def test_calls_of_one_token_steps_alone_make_the_copies_one_row_is_timed_in(monk
 def test_one_row_still_pending_once_the_copies_are_made_is_learnt_from_one_token_steps(monkeypatch):
     """A call that got ahead of plain learns the wider forms first; once their copies are made, one row (timed in
     the copy form too) is learnt from one-token steps: wide steps would leave it pending for good."""
-    from clover_hf.linears import PACKED, onednn_packs
+    from clover_hf.cpu.linears import PACKED, onednn_packs
 
     if not onednn_packs():
         pytest.skip("this torch build has no oneDNN: no blocked copies")
@@ -695,7 +694,7 @@ def test_layers_no_call_ran_get_their_copies_once_the_trials_are_ready(monkeypat
     the base alone: its copies are made and the trials are ready. The heads' layers, which no call ran, get theirs as
     the next call's `linear_forms` begins, as they do without trials. Before, they computed without copies for the
     life of the process, and the bf16 kernel's drafting with them (1.9 against 0.65 ms a draft, AVX-512-bf16 EPYC)."""
-    from clover_hf.linears import PACKED, onednn_packs
+    from clover_hf.cpu.linears import PACKED, onednn_packs
 
     if not onednn_packs():
         pytest.skip("this torch build has no oneDNN: no blocked copies")

@@ -12,7 +12,7 @@ from huggingface_hub import create_repo, upload_folder
 from safetensors.torch import save_file
 
 from clover_hf import CloverForCausalLM, MedusaHeads
-from clover_hf.hub import load_heads
+from clover_hf.hub.repo import load_heads
 
 from .test_hub import BASE_REPO, forbid_pickle, push_base
 from .tiny import prompt, tiny_model
@@ -129,7 +129,7 @@ def _vllm_medusa_proposals(directory, hidden: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("own_lm_heads", [True, False])
 def test_medusa_heads_export_to_vllms_layout(tmp_path, own_lm_heads):
-    from clover_hf.cli import main as cli_main
+    from clover_hf.tools.cli import main as cli_main
 
     from .tiny import random_heads
 
@@ -156,7 +156,7 @@ def test_medusa_heads_export_to_vllms_layout(tmp_path, own_lm_heads):
 
 
 def test_only_medusa_heads_export_to_vllm(tmp_path):
-    from clover_hf.formats import export_vllm_medusa
+    from clover_hf.hub.formats import export_vllm_medusa
 
     from .tiny import random_heads
 
@@ -176,7 +176,7 @@ def clover2_checkpoint(directory, base, heads: int = 3, layers: int = 2, seed: i
     """Clover-2's layout (its clover2.py / main_clover2.py): the draft's Llama config with a "clover" entry, and
     model.safetensors with its module names, random weights, and (`lm_copies`) its frozen copies of the base's
     lm_head."""
-    from clover_hf.formats import CLOVER2_LAYER_NAMES, CLOVER2_NAMES
+    from clover_hf.hub.formats import CLOVER2_LAYER_NAMES, CLOVER2_NAMES
 
     g = torch.Generator().manual_seed(seed)
     cfg = base.config
@@ -217,7 +217,7 @@ def _clover2_reference(state, base, ids: torch.Tensor, heads: int) -> list[torch
     the decoder layers (causal), norm; head 0 norm(W0 x), head i norm(W [x_i; e]) after the shared decoder."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-    from clover_hf.base_parts import norm_inputs
+    from clover_hf.base.parts import norm_inputs
 
     cfg = base.config
     with torch.no_grad(), norm_inputs(base) as captured:
@@ -275,14 +275,14 @@ def test_clover2_checkpoint_uses_every_tensor_and_drafts_as_clover2_defines(tmp_
     assert config.num_augment_layers == 2 and config.num_heads == 3 and config.draft_vocab_size is None
     # every tensor of the file but the base's lm_head copies went into the heads, each unchanged
     ours = heads.state_dict()
-    from clover_hf.formats import CLOVER2_BASE_COPIES
+    from clover_hf.hub.formats import CLOVER2_BASE_COPIES
 
     used = [k for k in state if k not in CLOVER2_BASE_COPIES]
     assert len(used) == len(ours) and sorted(v.sum().item() for v in ours.values()) == \
         pytest.approx(sorted(state[k].sum().item() for k in used))
     ids = prompt(4, 12)
     want = _clover2_reference(state, base, ids, heads=3)
-    from clover_hf.base_parts import norm_inputs
+    from clover_hf.base.parts import norm_inputs
 
     with torch.no_grad(), norm_inputs(base) as captured:
         base(ids)

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from clover_hf import CloverConfig, CloverForCausalLM
-from clover_hf.card import render_model_card
-from clover_hf.features import Example, FeatureSet, cache_features
-from clover_hf.heads import CloverHeads, LinearOutputHeads, MedusaHeads
-from clover_hf.training import Trainer, TrainConfig, head_losses
-from clover_hf.tree import build_tree
+from clover_hf.heads.modules import CloverHeads, LinearOutputHeads, MedusaHeads
+from clover_hf.heads.tree import build_tree
+from clover_hf.hub.card import render_model_card
+from clover_hf.training.features import Example, FeatureSet, cache_features
+from clover_hf.training.trainer import TrainConfig, Trainer, head_losses
 
 from .tiny import prompt, random_heads, same, tiny_model
 
@@ -185,7 +185,7 @@ def test_medusa_heads_of_several_blocks_decode_exactly_and_read_one_block_heads(
     block (weights at heads.{i}.linear) still load, into the first block."""
     from safetensors.torch import load_file, save_file
 
-    from clover_hf.hub import load_heads
+    from clover_hf.hub.repo import load_heads
 
     base = tiny_model("llama")
     clover = random_heads(base, seed=3, head_type="medusa", medusa_num_layers=2, tree=[[0], [1], [0, 0]])[0]
@@ -230,8 +230,8 @@ def test_clover2_input_options_decode_exactly(arch):
 
 def test_pre_norm_heads_read_the_final_norms_input_and_lm_head_rows():
     """What decoding hands the heads: the input of the base's final norm, and tokens embedded by lm_head rows."""
-    from clover_hf.base_parts import norm_inputs
-    from clover_hf.verification import base_forward
+    from clover_hf.base.forward import base_forward
+    from clover_hf.base.parts import norm_inputs
 
     base = tiny_model("llama")
     ids = prompt(3)
@@ -252,7 +252,7 @@ def test_pre_norm_heads_read_the_final_norms_input_and_lm_head_rows():
 
 
 def test_pre_norm_heads_train_online_only(tmp_path):
-    from clover_hf.packing import PackedRows
+    from clover_hf.training.packing import PackedRows
 
     base = tiny_model("llama").requires_grad_(False)
     clover = CloverForCausalLM.from_base(base, num_heads=2, draft_vocab_size=64, **CLOVER2_OPTIONS)

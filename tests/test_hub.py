@@ -4,19 +4,19 @@ push and load by name, pinned revisions, private repos, the model card, offline 
 from __future__ import annotations
 
 import pickle
-import tomllib
 import traceback
 from importlib import resources
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 from huggingface_hub import ModelCard, create_repo, list_repo_files, model_info, upload_folder
 from safetensors.torch import save_file
 
 from clover_hf import CloverConfig, CloverForCausalLM, CloverHeads
-from clover_hf.card import NO_FIGURES, render_model_card
-from clover_hf.hub import save_heads
+from clover_hf.hub.card import NO_FIGURES, render_model_card
+from clover_hf.hub.repo import save_heads
 
 from .conftest_hub import set_hf_offline
 from .tiny import prompt, tiny_model

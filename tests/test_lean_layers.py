@@ -7,11 +7,11 @@ import contextlib
 import pytest
 import torch
 
-import clover_hf.decoding as decoding
-import clover_hf.lean_layers as lean_module
-from clover_hf.base_parts import decoder_layers
-from clover_hf.cache import new_cache
-from clover_hf.lean_layers import lean_layers, lean_reason
+import clover_hf.base.lean_layers as lean_module
+import clover_hf.decode.loop as decoding
+from clover_hf.base.cache import new_cache
+from clover_hf.base.lean_layers import lean_layers, lean_reason
+from clover_hf.base.parts import decoder_layers
 
 from .tiny import oracle_model, prompt, same, tiny_model
 

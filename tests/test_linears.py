@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from clover_hf import CloverForCausalLM, CostModel
-from clover_hf.linears import (
+from clover_hf.cpu.linears import (
     COPIES,
     FORMS,
     MAX_ROWS,
@@ -116,7 +116,7 @@ def test_linear_forms_apply_to_listed_row_counts_and_are_undone():
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_greedy_stays_exact_with_transposed_linears_in_every_verify(arch, monkeypatch):
-    import clover_hf.linears as linears
+    import clover_hf.cpu.linears as linears
 
     used, native = [], []
     monkeypatch.setattr(linears, "transposed_linear", lambda x, *args: used.append(x.shape) or transposed_linear(x, *args))
@@ -134,7 +134,7 @@ def test_greedy_stays_exact_with_transposed_linears_in_every_verify(arch, monkey
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_forms_are_measured_on_the_cpu_within_their_bounds(dtype, monkeypatch):
-    import clover_hf.linears as linears
+    import clover_hf.cpu.linears as linears
 
     timed = []
     monkeypatch.setattr(linears, "form_linear", lambda x, w, b, form, copy=None: timed.append((x.shape[0], w.shape, form))
@@ -163,7 +163,7 @@ def test_forms_are_measured_on_the_cpu_within_their_bounds(dtype, monkeypatch):
 
 def _fake_timings(monkeypatch, ms) -> list[tuple[int, str]]:
     """faster_forms times each product as `ms(rows, form)` instead of the clock; returns the (rows, form) timed."""
-    import clover_hf.linears as linears
+    import clover_hf.cpu.linears as linears
 
     timed = []
 
@@ -184,7 +184,7 @@ def _fake_timings(monkeypatch, ms) -> list[tuple[int, str]]:
 def test_a_float32_form_twice_as_fast_is_kept_for_larger_row_counts_untimed(monkeypatch):
     """Converting a half weight to float32 is a fixed cost per product: once that form takes at most
     half of F.linear's time, more rows only favour it more, so they are not timed."""
-    import clover_hf.linears as linears
+    import clover_hf.cpu.linears as linears
 
     cost = {"linear": 1.0, "transposed": 1.0, "float32": 0.8, "float32_transposed": 0.9, "native": 1.0}
     # float32 costs 0.8x F.linear at 1-4 rows, 0.4x from 8 rows up
@@ -204,7 +204,7 @@ def test_one_row_tries_atens_own_kernel_or_two_row_products(dtype, monkeypatch):
     kernel (half weights) or W @ x.T padded to two rows (float32), and oneDNN's blocked layout of the
     weight in its own dtype (where oneDNN packs), and takes one only when it saves ONE_ROW_GAIN; from 2
     rows every form is timed."""
-    import clover_hf.linears as linears
+    import clover_hf.cpu.linears as linears
 
     gain = {}
 
@@ -237,7 +237,7 @@ def test_one_row_tries_atens_own_kernel_or_two_row_products(dtype, monkeypatch):
 def test_the_native_form_is_timed_while_it_keeps_up_with_f_linear(monkeypatch):
     """ATen's own kernel can beat oneDNN's for one bf16 row, never by much for many: once it takes
     NATIVE_BEHIND times F.linear's time, larger row counts do not time it."""
-    import clover_hf.linears as linears
+    import clover_hf.cpu.linears as linears
 
     # native: 0.5x F.linear at one row, 1.2x at 2, 2x from 4 up
     timed = _fake_timings(monkeypatch, lambda rows, form: rows * (
@@ -309,7 +309,7 @@ def test_weight_copy_forms_compute_f_linear(dtype, form, rows):
 
 
 def test_weight_copies_are_made_once_bounded_and_made_again_when_the_weight_changes(monkeypatch):
-    import clover_hf.linears as linears
+    import clover_hf.cpu.linears as linears
 
     made = []
     monkeypatch.setattr(linears, "make_copy", lambda w, form: made.append(form) or w.detach().float().clone())
@@ -336,7 +336,7 @@ def test_weight_copies_are_made_once_bounded_and_made_again_when_the_weight_chan
 def test_one_kind_of_weight_copy_is_chosen(monkeypatch):
     """Two kinds of copy would hold the weights twice more: the one that saves most is kept, and the row
     counts that chose the other take their best form without a copy."""
-    import clover_hf.linears as linears
+    import clover_hf.cpu.linears as linears
 
     monkeypatch.setattr(linears, "onednn_serves", lambda d: False)
     monkeypatch.setattr(linears, "onednn_packs", lambda: True)
@@ -360,8 +360,8 @@ def test_one_kind_of_weight_copy_is_chosen(monkeypatch):
 def test_greedy_stays_exact_with_weight_copies_in_every_verify(arch, form, monkeypatch):
     """Each form that computes from a weight copy (from float32 weights here, where greedy output is exact)
     verifies every tree; copies are made once per layer and the output is plain `generate`'s."""
+    import clover_hf.cpu.linears as linears
     from clover_hf import DraftBudget
-    import clover_hf.linears as linears
 
     made = []
     monkeypatch.setattr(linears, "make_copy", lambda w, f: made.append(f) or make_copy(w, f))
@@ -406,7 +406,7 @@ def test_greedy_stays_exact_when_weight_copies_do_not_fit():
 def test_a_weight_copy_chosen_at_one_verify_row_count_alone_is_not_kept(monkeypatch):
     """A copy of every weight for the gain at one row count is not worth its memory: that count takes its
     best form without a copy."""
-    import clover_hf.linears as linears
+    import clover_hf.cpu.linears as linears
 
     monkeypatch.setattr(linears, "onednn_packs", lambda: True)
     cost = {"linear": 1.0, "transposed": 0.85, "packed": 0.85}
@@ -422,7 +422,7 @@ def test_kept_copies_serve_every_verify_row_count_they_were_timed_faster_at(monk
     """Copies kept for some row counts cost no more memory at others: a count where they were faster, but
     short of COPY_GAIN against the best form without one, takes them too (on the AVX-512-bf16 EPYC, W @ x.T
     kept at 16 rows made 16-token verify forwards twice as dear); one row's choice stands."""
-    import clover_hf.linears as linears
+    import clover_hf.cpu.linears as linears
 
     monkeypatch.setattr(linears, "onednn_packs", lambda: True)
     cost = {"linear": 1.0, "transposed": 0.8}
@@ -437,7 +437,7 @@ def test_kept_copies_serve_every_verify_row_count_they_were_timed_faster_at(monk
 
 
 def test_float16_copies_are_not_tried_where_float16_holds_few_weights(monkeypatch):
-    import clover_hf.linears as linears
+    import clover_hf.cpu.linears as linears
 
     monkeypatch.setattr(linears, "fbgemm_packs", lambda: True)
     monkeypatch.setattr(linears, "onednn_serves", lambda d: False)
@@ -476,7 +476,7 @@ def test_one_row_is_timed_through_every_layer_in_turn(monkeypatch):
     """One weight timed again and again stays in the core's cache, which favoured ATen's kernel at one row
     on an Intel CPU where whole forwards ran faster with oneDNN's blocked layout: one row streams through
     every layer's weight, as a one-token forward does; more rows are timed per shape."""
-    import clover_hf.linears as linears
+    import clover_hf.cpu.linears as linears
 
     monkeypatch.setattr(linears, "onednn_packs", lambda: True)
     monkeypatch.setattr(linears, "onednn_serves", lambda d: True)
@@ -503,7 +503,7 @@ def test_one_row_streams_through_every_kth_layer_of_a_large_model_scaled_to_all(
     """Past STREAM_BYTES of weights every k-th layer is timed at one row, and the time is scaled by those
     layers' bytes over the timed ones' (so it stands beside the other row counts' totals); a layer of over
     STREAM_BYTES / 8 (an output embedding) is timed apart, whole, so it counts its own share only."""
-    import clover_hf.linears as linears
+    import clover_hf.cpu.linears as linears
 
     model = torch.nn.Sequential(*(torch.nn.Linear(16, 16, bias=False) for _ in range(24)),
                                 torch.nn.Linear(16, 64, bias=False))
@@ -522,7 +522,7 @@ def test_one_row_streams_through_every_kth_layer_of_a_large_model_scaled_to_all(
 def test_copies_made_to_time_one_row_are_kept_for_the_forms(monkeypatch):
     """One row is timed through every layer from each layer's blocked-layout copy; given a WeightCopies,
     those copies are made there, so the forms that choose them use them without making them again."""
-    import clover_hf.linears as linears
+    import clover_hf.cpu.linears as linears
 
     made = []
     monkeypatch.setattr(linears, "make_copy", lambda w, f: made.append(f) or make_copy(w, f))
@@ -558,7 +558,7 @@ def test_layers_that_take_one_input_are_grouped_by_their_names():
 def test_stacked_products_compute_each_layer_and_count_one_copy(arch, monkeypatch):
     """With a weight copy chosen, each group of layers that take one input is one product from one copy of
     the stacked weights; the forward's output is F.linear's, and the members keep no copies of their own."""
-    import clover_hf.linears as linears
+    import clover_hf.cpu.linears as linears
 
     products = []
     monkeypatch.setattr(linears, "transposed_linear", lambda x, w, b: products.append(w.shape) or transposed_linear(x, w, b))
@@ -641,7 +641,7 @@ def test_a_block_memo_keeps_what_holds_all_block_once_per_form_and_forgets_it_wh
     """Weights looked up for a row count are kept while the same forwards are bound, for the row counts up to their
     `steady_rows`, once per form (row counts of one form share the lookup); past them, and for nothing found, looked
     up every time; another block's forwards start afresh."""
-    from clover_hf.linears import BlockMemo
+    from clover_hf.cpu.linears import BlockMemo
 
     def forward():
         pass

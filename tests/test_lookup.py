@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from clover_hf import CloverForCausalLM
-from clover_hf.config import CloverConfig
-from clover_hf.lookup import NgramIndex, lookup_continuation
-from clover_hf.tree import build_tree
+from clover_hf.decode.lookup import NgramIndex, lookup_continuation
+from clover_hf.heads.config import CloverConfig
+from clover_hf.heads.tree import build_tree
 
 from .tiny import oracle_model, prompt, same, tiny_model
 
@@ -140,7 +140,7 @@ def test_lookup_with_processors_and_lengths(processors, max_new_tokens):
 
 
 def test_growing_chain_is_named_on_the_card():
-    from clover_hf.card import tree_summary
+    from clover_hf.hub.card import tree_summary
 
     config = CloverConfig(hidden_size=8, vocab_size=16, num_attention_heads=2, lookup_tokens=5, lookup_max_tokens=20)
     assert tree_summary(config).endswith("a prompt-lookup chain of up to 5 tokens that doubles up to 20 while the text copies earlier text")

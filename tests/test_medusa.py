@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-
 import re
 
 import pytest
@@ -11,16 +10,26 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from clover_hf import CloverConfig, CloverForCausalLM
-from clover_hf.bench import run_benchmark
-from clover_hf.cli import main as cli_main
-from clover_hf.features import Example, FeatureSet, cache_features
-from clover_hf.heads import MedusaHeads
-from clover_hf.training import Trainer, TrainConfig
-from clover_hf.tree import build_tree
+from clover_hf.heads.modules import MedusaHeads
+from clover_hf.heads.tree import build_tree
+from clover_hf.tools.bench import run_benchmark
+from clover_hf.tools.cli import main as cli_main
+from clover_hf.training.features import Example, FeatureSet, cache_features
+from clover_hf.training.trainer import TrainConfig, Trainer
 
 from .test_training import _args, _chats
-from .tiny import (ARCHS, CHAT_TEMPLATE, byte_tokenizer, check_stats, left_padded, prompt, random_heads, same,
-                   save_tiny_base, tiny_model)
+from .tiny import (
+    ARCHS,
+    CHAT_TEMPLATE,
+    byte_tokenizer,
+    check_stats,
+    left_padded,
+    prompt,
+    random_heads,
+    same,
+    save_tiny_base,
+    tiny_model,
+)
 
 
 def medusa_model(base, seed: int = 0, **config) -> CloverForCausalLM:

@@ -76,7 +76,7 @@ def test_base_kwargs_reach_the_base_loader(base, tmp_path):
 def _heads_dir(tmp_path, **overrides):
     config = CloverConfig.for_base(tiny_model("llama").config, **overrides)
     heads = CloverHeads(config)
-    from clover_hf.hub import save_heads
+    from clover_hf.hub.repo import save_heads
 
     return save_heads(heads, tmp_path / "h")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-
 import re
 
 import pytest
@@ -12,10 +11,11 @@ import torch
 from safetensors.torch import load_file
 
 from clover_hf import CloverForCausalLM
-from clover_hf.cli import main as cli_main
-from clover_hf.features import Example, base_targets, tokenize_records
-from clover_hf.packing import PackedRows, document_ids
-from clover_hf.training import STOPPED_EXIT_CODE, Trainer, TrainConfig, lr_lambda
+from clover_hf.heads.modules import document_ids
+from clover_hf.tools.cli import main as cli_main
+from clover_hf.training.features import Example, base_targets, tokenize_records
+from clover_hf.training.packing import PackedRows
+from clover_hf.training.trainer import STOPPED_EXIT_CODE, TrainConfig, Trainer, lr_lambda
 
 from .test_training import _args, _chats
 from .tiny import prompt, save_tiny_base, tiny_model
@@ -258,7 +258,7 @@ def test_online_training_over_two_processes(tiny_base, tmp_path):
 
     data = _chats(tmp_path / "chats.jsonl")
     out = tmp_path / "ddp"
-    cmd = [*two_process_launch(), "-m", "clover_hf.cli",
+    cmd = [*two_process_launch(), "-m", "clover_hf.tools.cli",
            *_args(tiny_base, data, out, **{"online": None, "labels": "full", "max-length": "96", "max-steps": "6"})]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from clover_hf import CloverForCausalLM
-from clover_hf.budget import cost_key
-from clover_hf.linears import _linears, faster_forms
-from clover_hf.quantized import TORCHAO_CONFIGS, dense, nbytes, quantization, quantize_base
+from clover_hf.core.quantized import TORCHAO_CONFIGS, dense, nbytes, quantization, quantize_base
+from clover_hf.cpu.linears import _linears, faster_forms
+from clover_hf.decode.budget import cost_key
 
 from .tiny import check_stats, oracle_model, prompt, random_heads, same, save_tiny_base, tiny_model
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 from huggingface_hub import create_repo, upload_folder
 
+from clover_hf.cpu.dtype import default_dtype
 from clover_hf.embedded import DEFAULT_BASE_NAME, MARKER_FILE, base_model_path, default_cache_dir, shipped_heads_path
-from clover_hf.hardware import default_dtype
-from clover_hf.hub import HEADS_FILES
+from clover_hf.hub.repo import HEADS_FILES
 
 from .hub_server import HubServer
 

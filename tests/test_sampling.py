@@ -7,17 +7,24 @@ from statistics import NormalDist
 
 import pytest
 import torch
+from transformers import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from transformers import (LogitsProcessorList, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
-
-from clover_hf import CloverForCausalLM, CostModel, bf16_kernel, decoding, verification
-from clover_hf.tree import StepTree, build_tree
-from clover_hf.verification import TopKCut, accept_sampled, process_tree_logits, sample_columns, sample_token
+from clover_hf import CloverForCausalLM, CostModel
+from clover_hf.cpu import kernel as bf16_kernel
+from clover_hf.decode import loop as decoding
+from clover_hf.decode import verification
+from clover_hf.decode.verification import TopKCut, accept_sampled, process_tree_logits, sample_columns, sample_token
+from clover_hf.heads.tree import StepTree, build_tree
 
 from .test_decoding import DRAFTING
-from .tiny import ARCHS, oracle_model, prompt, same, tiny_model
-
+from .tiny import ARCHS, oracle_model, patch_kernel, prompt, same, tiny_model
 
 FAMILY_ALPHA = 1e-3  # chance that an exact sampler fails one of these tests, all cells together
 
@@ -230,8 +237,13 @@ def test_sample_token_is_exact_and_skips_zero_mass():
 
 def test_tree_processors_match_per_node_application():
     """Warpers run once over all nodes, prefix readers per depth: same scores as one call per node."""
-    from transformers import (LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                              TopKLogitsWarper, TopPLogitsWarper)
+    from transformers import (
+        LogitsProcessorList,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     tree = build_tree([[0], [1], [0, 0], [1, 0], [0, 0, 0]], lookup=2)
     g = torch.Generator().manual_seed(0)
@@ -298,7 +310,7 @@ def test_sample_columns_is_the_whole_distribution(name, kernel, monkeypatch):
     vocabulary (up to float32 sums' order), whose every other token has probability 0; node tokens map to their
     columns. Without the kernel, torch's operations find the same columns."""
     if not kernel:
-        monkeypatch.setattr(bf16_kernel, "top_k_columns", lambda *args: None)
+        patch_kernel(monkeypatch, "top_k_columns", lambda *args: None)
     tree = build_tree([[0], [1], [2], [0, 0], [1, 0], [0, 0, 0]], lookup=2)
     g = torch.Generator().manual_seed(1)
     scores = _tie_heavy_scores(tree.num_nodes, 3000, 2)
@@ -408,7 +420,7 @@ def test_top_p_over_a_cuts_columns_is_top_p_over_the_whole_rows(monkeypatch):
     """Top-p over the columns a top-k cut keeps removes what it removes over the whole rows, exactly: where equal
     scores straddle its cut, or a cumulative probability lies near its bound, it runs over the whole rows made of
     those columns (both happen over these tie-heavy rows)."""
-    from clover_hf import verification
+    from clover_hf.decode import verification
 
     wholes = []
     real = TopPLogitsWarper.__call__

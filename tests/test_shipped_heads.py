@@ -7,8 +7,8 @@ import torch
 from transformers import AutoTokenizer
 
 from clover_hf import CloverForCausalLM, CostModel
-from clover_hf.data import mtbench_questions
 from clover_hf.embedded import load_default, shipped_heads_path
+from clover_hf.training.data import mtbench_questions
 
 NEW = 32  # new tokens per prompt: enough for several multi-token steps
 STEEP = CostModel.from_function(lambda rows, width: 40.0 * width, draft_ms=3.0)  # each token costs a forward

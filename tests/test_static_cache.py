@@ -9,9 +9,10 @@ import pytest
 import torch
 from transformers import CompileConfig, DynamicCache, GenerationConfig, StaticCache
 
-from clover_hf import CloverForCausalLM, DraftBudget, verify_forward
-from clover_hf.cache import OUTPUT_CACHE_FIELD
-from clover_hf.verify_forward import BUCKETS, bucket, compile_settings
+from clover_hf import CloverForCausalLM, DraftBudget
+from clover_hf.base import verify_forward
+from clover_hf.base.cache import OUTPUT_CACHE_FIELD
+from clover_hf.base.verify_forward import BUCKETS, bucket, compile_settings
 
 from .test_decoding import DRAFTING
 from .tiny import left_padded, oracle_model, prompt, same, tiny_model
@@ -286,7 +287,7 @@ def test_scores_eos_and_the_streamer_on_a_static_cache(compile):
 def test_a_static_cache_multiplies_in_the_forms_learnt_for_the_machine(monkeypatch, tmp_path):
     """How linear layers multiply is the machine's, whatever the cache: a static call takes the forms the dynamic
     cache's call learnt from its products (none timed apart) and learns verify costs of its own under them."""
-    from clover_hf import decoding
+    from clover_hf.decode import loop as decoding
 
     timed = []
     real = decoding.faster_forms

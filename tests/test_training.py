@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -11,17 +12,15 @@ import sys
 import time
 from pathlib import Path
 
-import re
-
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from clover_hf import CloverForCausalLM
-from clover_hf.cli import main as cli_main
-from clover_hf.features import Example, FeatureSet, cache_features
-from clover_hf.training import Trainer, TrainConfig, head_losses
+from clover_hf.tools.cli import main as cli_main
+from clover_hf.training.features import Example, FeatureSet, cache_features
+from clover_hf.training.trainer import TrainConfig, Trainer, head_losses
 
 from .tiny import prompt, save_tiny_base
 
@@ -187,7 +186,7 @@ def test_self_distillation_is_cached_and_resumed(tiny_base, tmp_path):
 
 def _run_cli(args: list[str], **kw) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, "-m", "clover_hf.cli", *args], env=env, cwd=REPO,
+    return subprocess.Popen([sys.executable, "-m", "clover_hf.tools.cli", *args], env=env, cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
 
 
@@ -223,7 +222,7 @@ def test_accelerate_launch_two_processes_and_resume(tiny_base, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
 
     def launch(directory: Path) -> str:
-        cmd = [*two_process_launch(), "-m", "clover_hf.cli",
+        cmd = [*two_process_launch(), "-m", "clover_hf.tools.cli",
                *_args(tiny_base, data, directory, **{"self-distill": None, "distill-max-new-tokens": "6"})]
         proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-12000:]
@@ -272,7 +271,7 @@ def test_too_long_sequences_and_unsupported_base_fail_early(tiny_base, tmp_path,
 def test_self_distill_file_cut_short_is_repaired(tiny_base, tmp_path):
     from transformers import AutoTokenizer
 
-    from clover_hf.features import read_distilled, self_distill
+    from clover_hf.training.features import read_distilled, self_distill
 
     base = AutoModelForCausalLM.from_pretrained(tiny_base)
     tok = AutoTokenizer.from_pretrained(tiny_base)
@@ -295,7 +294,7 @@ def test_conversations_for_a_base_without_chat_template_fail_before_it_loads(tmp
     tok.pad_token = tok.convert_ids_to_tokens(0)
     tok.save_pretrained(base_dir)
     chats = _chats(tmp_path / "chats.jsonl")
-    import clover_hf.pipeline as pipeline
+    import clover_hf.training.pipeline as pipeline
 
     real = pipeline.AutoModelForCausalLM.from_pretrained
     monkeypatch.setattr(pipeline.AutoModelForCausalLM, "from_pretrained",

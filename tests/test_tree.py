@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from clover_hf import DEFAULT_TREE, build_tree
-from clover_hf.config import validate_tree
-from clover_hf.verification import accept_greedy, additive_mask
+from clover_hf.base.forward import additive_mask
+from clover_hf.decode.verification import accept_greedy
+from clover_hf.heads.config import validate_tree
 
 TREE = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 
@@ -63,7 +64,7 @@ def test_accept_greedy_picks_longest_path_and_bonus():
 def test_accept_greedy_takes_the_first_of_the_deepest_matching_paths():
     # random trees whose siblings may carry the same token (a lookup chain repeating a drafted one): the accepted path
     # is the deepest whose every node matches, the first in node order among equally deep ones
-    from clover_hf.tree import StepTree
+    from clover_hf.heads.tree import StepTree
 
     torch.manual_seed(0)
     for _ in range(300):
@@ -92,8 +93,8 @@ def test_accept_greedy_takes_the_first_of_the_deepest_matching_paths():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_unpadded_rows_tree_mask_is_the_layouts(dtype):
-    from clover_hf.rows import Batch
-    from clover_hf.verification import MaskLayout
+    from clover_hf.base.forward import MaskLayout
+    from clover_hf.decode.rows import Batch
 
     layout = MaskLayout(mapping=False, sliding_window=None)
     t = build_tree(TREE)
@@ -121,7 +122,7 @@ def test_additive_mask_prefix_tree_and_window():
 
 
 def test_tree_from_accuracies_prefers_likely_paths():
-    from clover_hf.tree import expected_accepted, tree_from_accuracies
+    from clover_hf.heads.tree import expected_accepted, tree_from_accuracies
 
     ranks = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
     tree = tree_from_accuracies(ranks, 5)

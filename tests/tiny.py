@@ -221,3 +221,14 @@ class CrossAttentionProjections(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.q_proj(x), self.k_proj(states), self.v_proj(states)], dim=-1)
+
+
+def patch_kernel(monkeypatch, name: str, value) -> None:
+    """Set the CPU kernel's `name` to `value` for the test, where the backend's own modules look it up (the kernel
+    module) and where the rest of clover_hf does (the `clover_hf.cpu` package)."""
+    import clover_hf.cpu
+    import clover_hf.cpu.kernel
+
+    monkeypatch.setattr(clover_hf.cpu.kernel, name, value)
+    if hasattr(clover_hf.cpu, name):
+        monkeypatch.setattr(clover_hf.cpu, name, value)

@@ -24,10 +24,11 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from .config import check_head_type
+from clover_hf.heads.config import check_head_type
+from clover_hf.heads.modules import DraftHeads, DraftLMHead, document_ids
+
 from .features import FeatureSet, base_targets
-from .heads import DraftHeads, DraftLMHead
-from .packing import PackedRows, document_ids
+from .packing import PackedRows
 
 RANKS = 10  # evaluation records where the base's top-1 falls among each head's top-10 (shapes the tree)
 LABELS = ("top_k", "full", "data")

@@ -46,8 +46,8 @@ from pathlib import Path
 
 import torch
 
-from .hardware import _cpu_flags, cpu_capability
-from .user_cache import default_cache_dir
+from clover_hf.core.hardware import _cpu_flags, cpu_capability
+from clover_hf.core.user_cache import default_cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -31,14 +31,22 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
-from . import bf16_kernel
-from .hardware import available_memory, cpu_capability, cpu_name
-from .form_trials import FormTrials, row_bucket
-from .linears import COPIES, ONE_ROW_GAIN, PACK_ROWS, WeightCopies, copy_form, evident_forms, form_for
-from .quantized import quantization
-from .user_cache import default_cache_dir
-from .verify_forward import bucket
-
+from clover_hf import cpu
+from clover_hf.base.verify_forward import bucket
+from clover_hf.core.hardware import available_memory, cpu_capability, cpu_name
+from clover_hf.core.quantized import quantization
+from clover_hf.core.user_cache import default_cache_dir
+from clover_hf.cpu import (
+    COPIES,
+    ONE_ROW_GAIN,
+    PACK_ROWS,
+    FormTrials,
+    WeightCopies,
+    copy_form,
+    evident_forms,
+    form_for,
+    row_bucket,
+)
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
 COSTS_FILE = "verify_costs.v7.json"  # v7: oneDNN's blocked layout timed at one row too
@@ -260,8 +268,8 @@ def cost_key(model: torch.nn.Module, device: torch.device) -> str:
     return "|".join([getattr(model.config, "_name_or_path", "") or "?", arch, str(model.dtype).removeprefix("torch."),
                      where, f"{torch.get_num_threads()} threads", cpu_name(), cpu_capability(),
                      f"torch {torch.__version__}"] + ([quantized] if (quantized := quantization(model)) else [])
-                    + ([f"bf16 kernel {bf16_kernel.build_id()}"] if model.dtype == torch.bfloat16
-                       and device.type == "cpu" and bf16_kernel.available() else []))
+                    + ([f"bf16 kernel {cpu.build_id()}"] if model.dtype == torch.bfloat16
+                       and device.type == "cpu" and cpu.available() else []))
 
 
 def _costs_path(cache_dir: str | Path | None) -> Path:

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
+from clover_hf.heads.modules import DraftHeads, DraftLMHead
+from clover_hf.heads.tree import DynamicTree, StepTree, TreeBuffers, build_tree, select_dynamic, with_chain
+
 from .budget import prune
-from .heads import DraftHeads, DraftLMHead
-from .tree import DynamicTree, StepTree, TreeBuffers, build_tree, select_dynamic, with_chain
 
 
 @dataclass

@@ -19,10 +19,10 @@ from typing import NamedTuple
 import torch
 from transformers import CompileConfig, GenerationConfig, PreTrainedModel
 
-from .base_parts import final_norm
 from .cache import cache_keyword, is_static
+from .forward import base_forward, last_hidden
 from .lean_layers import model_forward
-from .verification import base_forward, last_hidden
+from .parts import final_norm
 
 BUCKETS = (1, 4, 16, 64, 160, 256)  # tree widths a compiled forward is padded to (wider: multiples of the last);
 # 160 holds an accelerator's 128-node dynamic tree with its lookup chain

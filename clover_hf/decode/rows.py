@@ -13,11 +13,13 @@ import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
+from clover_hf.base.cache import capacity, compact_cache, new_cache, select_rows, select_slots
+from clover_hf.base.forward import MaskLayout, base_forward
+from clover_hf.heads.modules import AugmentCache
+
 from .budget import CATCH_UP_STEPS
-from .cache import capacity, compact_cache, new_cache, select_rows, select_slots
-from .heads import AugmentCache
 from .lookup import NgramIndex
-from .verification import MaskLayout, base_forward, sample_token
+from .verification import sample_token
 
 REPACK_UNUSED_SHARE = 0.5  # a batch's cache is repacked once more than this share of its slots is masked
 

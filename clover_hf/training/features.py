@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from .base_parts import norm_inputs
+from clover_hf.base.parts import norm_inputs
+
 from .data import Conversation, Record
 from .packing import Example
 

@@ -30,9 +30,29 @@ from collections import Counter, defaultdict
 import torch
 from torch import nn
 
-from .linears import (COPIES, COPY_GAIN, LINEAR, MAX_ROWS, MIN_GAIN, NATIVE, NATIVE_BEHIND, ONE_ROW_GAIN, PACK_ROWS,
-                      WITHOUT_COPY, WeightCopies, _candidates, _linears, _Stacked, _units, copy_forms_for,
-                      float16_exact, form_linear, one_row_forms, shape_keys, shared_input_groups)
+from .linears import (
+    COPIES,
+    COPY_GAIN,
+    LINEAR,
+    MAX_ROWS,
+    MIN_GAIN,
+    NATIVE,
+    NATIVE_BEHIND,
+    ONE_ROW_GAIN,
+    PACK_ROWS,
+    WITHOUT_COPY,
+    WeightCopies,
+    _candidates,
+    _linears,
+    _Stacked,
+    _units,
+    copy_forms_for,
+    float16_exact,
+    form_linear,
+    one_row_forms,
+    shape_keys,
+    shared_input_groups,
+)
 
 SAMPLES = 3  # timings of each form per weight shape before a row count settles (the least counts: oneDNN's first
 # product of a new row count builds its kernel)

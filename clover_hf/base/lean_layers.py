@@ -19,16 +19,16 @@ PACK_KEYS keys or more. Packed, attention rounds the same but for rare last bits
 in bf16), and bf16 decoding can drift from plain `generate`'s within 64 tokens. With `pack` in bf16, the
 layer's RMSNorms and its rotary embedding also run as one call each of `bf16_kernel` where it is built: a norm
 2.3 against 13.5 us, rounding as the module does but for rare last bits (2 outputs in 806,400); the rotary
-embedding bitwise torch's. So does attention (`bf16_kernel.attention`,
+embedding bitwise torch's. So does attention (`cpu.attention`,
 float32 scores and sums like SDPA's, in another order): whole-tree verify forwards of SmolLM2 took 10.4 against
 11.5 ms, one-token ones 8.5 against 8.9 (alternating call by call). Where, besides, every product is in the
 kernel's tiled copies and the cache grows in place, the whole layer is one call of those same functions
-(`bf16_kernel.DecoderLayer`, bitwise them one by one): one-token forwards 12.8 against 17.8 ms on the AVX2-only EPYC.
+(`cpu.DecoderLayer`, bitwise them one by one): one-token forwards 12.8 against 17.8 ms on the AVX2-only EPYC.
 Where all of a model's layers run so, in one call, a verify forward of a model of LEAN_MODELS runs its decoder's
 embedding, mask and rotary embedding, that call, the final norm and the lm_head without the model's own forwards
 (`model_forward`, checked bitwise against them once a process): one-token forwards 10.5 against 11.4 ms there.
 Asked for greedy choices alone, where the lm_head computes from its tiled copy, it gives each token's argmax from
-the lm_head's int8 screen (`bf16_kernel.Screen`, the same tokens) instead of the logits.
+the lm_head's int8 screen (`cpu.Screen`, the same tokens) instead of the logits.
 
 Layers of other classes, with hooks or a replaced `forward` (accelerate's offloading), or in training keep
 their own forward; so does a class whose first lean forward in a process does not match its own on a
@@ -50,12 +50,13 @@ from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from . import bf16_kernel
-from .base_parts import decoder_layers
+from clover_hf import cpu
+from clover_hf.core.watch import unchanged, watch
+from clover_hf.cpu import BlockMemo, layer_weights
+
 from .cache import GrowingLayer, new_cache
-from .heads import apply_rope, unchanged, watch
-from .linears import BlockMemo, layer_weights
-from .verification import base_forward
+from .forward import base_forward
+from .parts import apply_rope, decoder_layers
 
 # transformers' modeling modules whose decoder layer, attention, MLP and RMSNorm the lean forward mirrors, and
 # what each passes its attention function as `sliding_window` (Llama: nothing)
@@ -65,10 +66,10 @@ LEAN_MODULES: dict[str, Callable[[nn.Module], dict] | None] = {
     "transformers.models.qwen2.modeling_qwen2": lambda attn: {"sliding_window": attn.sliding_window},
     "transformers.models.qwen3.modeling_qwen3": lambda attn: {"sliding_window": attn.sliding_window},
 }
-# transformers' RMSNorms of these layers, all weight * bf16(x * rsqrt(mean(x^2) + eps)): `bf16_kernel.rms_norm`'s
+# transformers' RMSNorms of these layers, all weight * bf16(x * rsqrt(mean(x^2) + eps)): `cpu.rms_norm`'s
 RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 # activations that compute F.silu (transformers' ACT2FN["silu"], torch's module): the MLP's act_fn(gate) * up in bf16
-# is `bf16_kernel.silu_mul`'s one call
+# is `cpu.silu_mul`'s one call
 SILU = ("SiLUActivation", "SiLU")
 # transformers' causal LMs whose forward is its decoder's embedding, causal mask, rotary embedding, layers and final
 # norm, then the lm_head (by class name, with the module both classes come from): `_ModelForward` runs just those
@@ -174,7 +175,7 @@ def _kernel_norm(module: nn.Module) -> bool:
     """Whether `bf16_kernel` computes the norm: a bf16 RMSNorm of RMS_NORMS where the kernel serves."""
     weight = getattr(module, "weight", None)
     return (type(module).__name__ in RMS_NORMS and isinstance(weight, torch.Tensor) and weight.dim() == 1
-            and bf16_kernel.serves(weight))
+            and cpu.serves(weight))
 
 
 def _norm(module: nn.Module | None, fused: bool) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -182,12 +183,12 @@ def _norm(module: nn.Module | None, fused: bool) -> Callable[[torch.Tensor], tor
     if module is None:
         return None
     if fused and _kernel_norm(module):
-        return bf16_kernel.rms_norm(module.weight, float(module.variance_epsilon), module.forward)
+        return cpu.rms_norm(module.weight, float(module.variance_epsilon), module.forward)
     return module.forward
 
 
 class _WholeLayer:
-    """A decoder layer in one `bf16_kernel.DecoderLayer` call, as a function of (hidden states, mask, position
+    """A decoder layer in one `cpu.DecoderLayer` call, as a function of (hidden states, mask, position
     embeddings, cache) that returns None (nothing done) where a call is not one it computes: its products not all
     in the kernel's tiled copies (`linears.layer_weights`: q/k/v and gate/up stacked), or a cache that is not a
     growing one holding keys."""
@@ -196,7 +197,7 @@ class _WholeLayer:
         attn, mlp = layer.self_attn, layer.mlp
         norm_in, post = layer.input_layernorm, layer.post_attention_layernorm
         head_dim = attn.head_dim
-        self.kernel = bf16_kernel.DecoderLayer(norm_in.weight, post.weight, float(norm_in.variance_epsilon),
+        self.kernel = cpu.DecoderLayer(norm_in.weight, post.weight, float(norm_in.variance_epsilon),
                                                attn.q_proj.out_features // head_dim,
                                                attn.k_proj.out_features // head_dim, head_dim, attn.scaling)
         self.projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
@@ -228,18 +229,18 @@ class _Held(NamedTuple):
     stores: list[tuple[torch.Tensor, torch.Tensor]]  # each one's keys and values stores
     slots: int  # the fewest slots of those
     batch: int
-    pointed: int  # `bf16_kernel.DecoderLayer.pointed` then
+    pointed: int  # `cpu.DecoderLayer.pointed` then
     inference: bool  # whether any store is an inference tensor (written in inference mode only)
 
 
 class _Stack:
-    """All of a model's decoder layers in one `bf16_kernel.DecoderStack` call, made by the first layer's forward where
+    """All of a model's decoder layers in one `cpu.DecoderStack` call, made by the first layer's forward where
     each layer would run whole (`_WholeLayer`): the layers after it then hand on what they are given, the stack's
     output (`out`). Per layer Python took ~90 us in situ of a whole layer's ~400 (SmolLM2, AVX2-only EPYC)."""
 
     def __init__(self) -> None:
         self.wholes: list[_WholeLayer | None] = []
-        self.stack: bf16_kernel.DecoderStack | None = None
+        self.stack: cpu.DecoderStack | None = None
         self.key: tuple | None = None  # (form, or rows past the steady ones; the first q projection's forward) the
         # weights were last set for
         self.memo = BlockMemo()  # the layers' weights by rows
@@ -253,7 +254,7 @@ class _Stack:
         """Run as one where the layers added are the model's `layers`, in order, each whole."""
         if self.wholes and len(self.wholes) == len(layers) and all(
                 w is not None and w.layer_idx == i for i, w in enumerate(self.wholes)):
-            self.stack = bf16_kernel.DecoderStack([w.kernel for w in self.wholes])
+            self.stack = cpu.DecoderStack([w.kernel for w in self.wholes])
 
     def _weights(self, rows: int) -> list | None:
         """Each layer's tiled weights for `rows` rows, or None where any computes otherwise."""
@@ -265,7 +266,7 @@ class _Stack:
         they were pointed at last, no kernel pointed elsewhere since, where they may be written (`reserve_after`)."""
         held = self.held
         return (held is not None and end <= held.slots and batch == held.batch
-                and held.pointed == bf16_kernel.DecoderLayer.pointed and stored[: len(held.layers)] == held.layers
+                and held.pointed == cpu.DecoderLayer.pointed and stored[: len(held.layers)] == held.layers
                 and (not held.inference or torch.is_inference_mode_enabled())
                 and GrowingLayer.hold(held.layers, held.stores, length))
 
@@ -297,7 +298,7 @@ class _Stack:
                     return None
                 held.append(stores)
             self.held = _Held(stored[: len(self.wholes)], held, min(keys.shape[-2] for keys, _ in held), x.shape[0],
-                              bf16_kernel.DecoderLayer.pointed, any(keys.is_inference() for keys, _ in held))
+                              cpu.DecoderLayer.pointed, any(keys.is_inference() for keys, _ in held))
         self.out = self.stack(x, *embeddings, length, mask)
         if self.out is not None:
             for layer in stored[: len(self.wholes)]:
@@ -392,7 +393,7 @@ class _ModelForward:
         return logits, hidden, None
 
     def _greedy(self, normed: torch.Tensor) -> torch.Tensor | None:
-        """Each token's greedy choice (B, T) from the lm_head's screen (`bf16_kernel.Screen`), the argmax of the
+        """Each token's greedy choice (B, T) from the lm_head's screen (`cpu.Screen`), the argmax of the
         logits the lm_head computes, where it computes these rows by the kernel's tiled product; else None. Its first
         choices in a process are checked against the whole logits' argmax."""
         targets = self._screened(self.key, normed, lambda screen, x: screen(x),
@@ -401,7 +402,7 @@ class _ModelForward:
         return None if targets is None else targets.view(normed.shape[:2])
 
     def _top_k(self, normed: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(columns (C,), their logits (rows, C)) of the lm_head's screen (`bf16_kernel.Screen.top_k`), every logit at
+        """(columns (C,), their logits (rows, C)) of the lm_head's screen (`cpu.Screen.top_k`), every logit at
         least its row's k-th largest among them, where it computes these rows by the kernel's tiled product; else None.
         Its first columns in a process are checked against the whole logits."""
 
@@ -432,14 +433,14 @@ class _ModelForward:
             return None
         return made
 
-    def _screen(self, rows: int) -> bf16_kernel.Screen | None:
+    def _screen(self, rows: int) -> cpu.Screen | None:
         """The lm_head's screen where its product of `rows` rows computes from the kernel's tiled copy; else None."""
         tiled = getattr(self.model.lm_head.forward, "kernel_weights", None)
         return None if tiled is None or tiled(rows) is None else lm_head_screen(self.model.lm_head)
 
 
-def lm_head_screen(lm_head: nn.Module) -> bf16_kernel.Screen | None:
-    """The screen (`bf16_kernel.Screen`) of an nn.Linear lm_head's weight, made once and kept while its weight and bias
+def lm_head_screen(lm_head: nn.Module) -> cpu.Screen | None:
+    """The screen (`cpu.Screen`) of an nn.Linear lm_head's weight, made once and kept while its weight and bias
     are unchanged (`heads.watch`: SmolLM2's took ~25 ms to make, AVX2-only EPYC); None where the kernel does not take
     it."""
     weight, bias = getattr(lm_head, "weight", None), getattr(lm_head, "bias", None)
@@ -447,7 +448,7 @@ def lm_head_screen(lm_head: nn.Module) -> bf16_kernel.Screen | None:
         return None
     kept = _SCREENS.get(lm_head)
     if kept is None or not unchanged(kept[0], [weight, bias]):
-        kept = _SCREENS[lm_head] = ([watch(weight), watch(bias)], bf16_kernel.Screen.of(weight.detach(), bias))
+        kept = _SCREENS[lm_head] = ([watch(weight), watch(bias)], cpu.Screen.of(weight.detach(), bias))
     return kept[1]
 
 
@@ -494,7 +495,7 @@ def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | Non
     """The decoder layer's forward as one function over its parts (see the module's docstring); `pack`: in half
     precision one query token attends packed, and so do up to PACK_QUERIES over PACK_KEYS keys or more, their
     mask repeated by `masks` (one for all of a model's layers; None: the layer's own); `fused`: bf16 RMSNorms
-    and the rotary embedding in one `bf16_kernel` call each (`_norm`, `bf16_kernel.rope`)."""
+    and the rotary embedding in one `bf16_kernel` call each (`_norm`, `cpu.rope`)."""
     masks = masks if masks is not None else _PackedMasks()
     attn, mlp = layer.self_attn, layer.mlp
     norm_in, norm_post = _norm(layer.input_layernorm, fused), _norm(layer.post_attention_layernorm, fused)
@@ -503,11 +504,11 @@ def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | Non
     q_proj, k_proj, v_proj, o_proj = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
     gate_proj, up_proj, down_proj, act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, mlp.act_fn
     q_norm, k_norm = _norm(getattr(attn, "q_norm", None), fused), _norm(getattr(attn, "k_norm", None), fused)
-    kernel = fused and bf16_kernel.serves(layer.input_layernorm.weight)
-    rope = bf16_kernel.rope if kernel else None
-    silu_mul = bf16_kernel.silu_mul if kernel and type(act_fn).__name__ in SILU else None
+    kernel = fused and cpu.serves(layer.input_layernorm.weight)
+    rope = cpu.rope if kernel else None
+    silu_mul = cpu.silu_mul if kernel and type(act_fn).__name__ in SILU else None
     post = layer.post_attention_layernorm  # the residual sum before it and the norm in one call, where it is fused
-    add_norm = bf16_kernel.add_rms_norm(post.weight, float(post.variance_epsilon)) if kernel and _kernel_norm(post) else None
+    add_norm = cpu.add_rms_norm(post.weight, float(post.variance_epsilon)) if kernel and _kernel_norm(post) else None
     module = sys.modules[type(layer).__module__]
     eager = module.eager_attention_forward
     window = LEAN_MODULES[type(layer).__module__]
@@ -522,7 +523,7 @@ def lean_forward(layer: nn.Module, pack: bool = False, masks: _PackedMasks | Non
     pack = pack and layer.input_layernorm.weight.dtype != torch.float32
     # the kernel's attention stands in for SDPA's or eager attention (the same softmax(q k^T * scaling + mask) v), with
     # a mask, or for one token without (it sees every key; several would need the causal mask SDPA implies)
-    attend = bf16_kernel.attention if kernel and attention in (sdpa_attention_forward, eager) else None
+    attend = cpu.attention if kernel and attention in (sdpa_attention_forward, eager) else None
     # and for SDPA's causal attention without a mask (a prompt's over an empty cache), as transformers' SDPA forward
     # asks for it (its keys then are the prompt's own: queries and keys aligned)
     causal = (attend is not None and attention is sdpa_attention_forward and getattr(attn, "is_causal", True) is True

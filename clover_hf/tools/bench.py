@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from .data import mtbench_questions
-from .hardware import timed
-from .verify_forward import BUCKETS
+from clover_hf.base.verify_forward import BUCKETS
+from clover_hf.core.hardware import timed
+from clover_hf.training.data import mtbench_questions
 
 
 @dataclass

@@ -105,19 +105,6 @@ def available_memory() -> int | None:
         return None
 
 
-def default_dtype(device: torch.device | str = "cpu") -> torch.dtype:
-    """bf16 on accelerators and on CPUs that compute it natively (AVX-512-bf16, AMX); on other CPUs bf16 where
-    clover_hf's compiled kernel runs (built here first if need be: it reads the bf16 bytes alone, and one-token
-    steps ran 53 against 24 tokens/s in float32 on the AVX2-only EPYC) or where torch's bf16 products were
-    measured faster than fp32 ones (`bf16_reads_faster_cpu`), else fp32."""
-    from . import bf16_kernel
-
-    device = torch.device(device)
-    if device.type != "cpu" or native_bf16_cpu() or bf16_kernel.available():
-        return torch.bfloat16
-    return torch.bfloat16 if bf16_reads_faster_cpu() else torch.float32
-
-
 def describe_machine(device: torch.device | str = "cpu") -> str:
     """One line naming the machine: CPU model, ISA and threads (and the GPU), torch and OS."""
     device = torch.device(device)

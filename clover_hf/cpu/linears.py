@@ -37,18 +37,19 @@ import functools
 import time
 import warnings
 import weakref
-from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import bf16_kernel
-from .hardware import amx_cpu
-from .quantized import plain
+from clover_hf.core.hardware import amx_cpu
+from clover_hf.core.quantized import plain
+
+from . import kernel as bf16_kernel
 
 LINEAR, TRANSPOSED, FLOAT32, FLOAT32_TRANSPOSED, NATIVE = "linear", "transposed", "float32", "float32_transposed", "native"
 # forms computed from a copy of the weight made once: oneDNN's blocked layout (in the weight's dtype, where

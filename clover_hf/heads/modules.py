@@ -17,13 +17,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import bf16_kernel
-from .base_parts import decoder_layers, rms_final_norm
-from .cache import GrowingLayer
+from clover_hf import cpu
+from clover_hf.base.cache import GrowingLayer
+from clover_hf.base.parts import apply_rope, decoder_layers, rms_final_norm
+from clover_hf.core.quantized import dense, plain, readable
+from clover_hf.core.watch import unchanged, watch
+from clover_hf.cpu import BlockMemo, LinearForms, kernel_weights, layer_weights, linear, make_copy
+
 from .config import CloverConfig
-from .linears import BlockMemo, LinearForms, kernel_weights, layer_weights, linear, make_copy
-from .packing import document_ids
-from .quantized import dense, plain, readable
 
 if TYPE_CHECKING:
     from .tree import TreeBuffers
@@ -36,8 +37,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() and x.dtype == self.weight.dtype and bf16_kernel.serves(x):
-            return bf16_kernel.norm(x, self.weight, self.eps)  # one call for the six ops below (drafting in bf16)
+        if not torch.is_grad_enabled() and x.dtype == self.weight.dtype and cpu.serves(x):
+            return cpu.norm(x, self.weight, self.eps)  # one call for the six ops below (drafting in bf16)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -87,13 +88,6 @@ def _new_position_table(length: int, head_dim: int, theta: float, dtype: torch.d
     return tuple(t[0, 0] for t in _rope_angles(every, head_dim, theta, dtype))
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (rotate-half form). x: (B, nh, T, hd); cos, sin from `rope_tables`."""
-    hd = x.shape[-1]
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
 @dataclass
 class AugmentCache:
     """Keys and values of the Augmenting Block's layers for the tokens accepted so far, a growing layer each
@@ -106,17 +100,17 @@ class AugmentCache:
         return self.layers[0].get_seq_length() if self.layers else 0
 
 
-# each Augmenting Block layer's `bf16_kernel.DecoderLayer` (with the norm weights it was made for), kept outside the
+# each Augmenting Block layer's `cpu.DecoderLayer` (with the norm weights it was made for), kept outside the
 # module: its ctypes pointers would stop the module from being copied or pickled
 _KERNEL_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # the heads' features for drafting in one kernel call: heads -> (the kernel layers and norm weights it was made for,
-# bf16_kernel.Features, its weights by row count: linears.BlockMemo), kept outside the module as above
+# cpu.Features, its weights by row count: linears.BlockMemo), kept outside the module as above
 _KERNEL_FEATURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 # the heads' static-tree drafts in one kernel call: heads -> {id(tree): (tree, ids of the tensors it points into,
-# bf16_kernel.StaticDraft, the bound forwards it was last looked up under)}, kept outside the module as above (the tree
+# cpu.StaticDraft, the bound forwards it was last looked up under)}, kept outside the module as above (the tree
 # is kept too: its id names no other meanwhile)
 _KERNEL_DRAFTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -159,7 +153,7 @@ class AugmentLayer(nn.Module):
         cos, sin = rope_tables(positions, self.head_dim, self.rope_theta, x.dtype)
         # drafting in bf16 on the CPU: the whole layer in one `bf16_kernel` call where its products are in the kernel's
         # tiled copies, else the rotary embedding and the attention in one call each
-        kernel = not torch.is_grad_enabled() and attn_mask is None and bf16_kernel.serves(x)
+        kernel = not torch.is_grad_enabled() and attn_mask is None and cpu.serves(x)
         if kernel and cache is not None:
             out = self._whole_layer(x, cos[:, 0], sin[:, 0], cache)
             if out is not None:
@@ -168,7 +162,7 @@ class AugmentLayer(nn.Module):
         q = self.q_proj(y).view(B, T, self.n_heads, self.head_dim)
         k = self.k_proj(y).view(B, T, self.n_kv, self.head_dim)
         v = self.v_proj(y).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        turned = bf16_kernel.rope(q, k, cos[:, 0], sin[:, 0]) if kernel else None
+        turned = cpu.rope(q, k, cos[:, 0], sin[:, 0]) if kernel else None
         q, k = turned if turned is not None else (apply_rope(q.transpose(1, 2), cos, sin),
                                                   apply_rope(k.transpose(1, 2), cos, sin))
         if cache is not None:
@@ -180,12 +174,12 @@ class AugmentLayer(nn.Module):
             x = x + self.o_proj(self._attention(q, k, v, attn_mask).transpose(1, 2).reshape(B, T, -1))
         y = self.post_attention_layernorm(x)
         gate, up = self.gate_proj(y), self.up_proj(y)
-        mixed = bf16_kernel.silu_mul(gate, up) if kernel else None
+        mixed = cpu.silu_mul(gate, up) if kernel else None
         return x + self.down_proj(F.silu(gate) * up if mixed is None else mixed)
 
     def _whole_layer(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: GrowingLayer
                      ) -> torch.Tensor | None:
-        """The layer as one `bf16_kernel.DecoderLayer` call (bitwise its calls one by one below), extending `cache`;
+        """The layer as one `cpu.DecoderLayer` call (bitwise its calls one by one below), extending `cache`;
         None (nothing done) where its products are not all in the kernel's tiled copies (`linears.linear_forms`),
         the cache holds no keys yet, or the norms differ in epsilon."""
         layer, weights = self.kernel_layer(), self.kernel_weights(x.numel() // x.shape[-1])
@@ -193,15 +187,15 @@ class AugmentLayer(nn.Module):
             return None
         return cache.extend(layer, x, cos, sin, weights, None, causal=True)
 
-    def kernel_layer(self) -> bf16_kernel.DecoderLayer | None:
-        """This layer as a `bf16_kernel.DecoderLayer` (made again after `.to()`); None where its norms differ in
+    def kernel_layer(self) -> cpu.DecoderLayer | None:
+        """This layer as a `cpu.DecoderLayer` (made again after `.to()`); None where its norms differ in
         epsilon."""
         norms = (self.input_layernorm, self.post_attention_layernorm)
         if norms[0].eps != norms[1].eps:
             return None
         made = _KERNEL_LAYERS.get(self)
         if made is None or made[0] is not norms[0].weight or made[1] is not norms[1].weight:
-            layer = bf16_kernel.DecoderLayer(norms[0].weight, norms[1].weight, float(norms[0].eps), self.n_heads,
+            layer = cpu.DecoderLayer(norms[0].weight, norms[1].weight, float(norms[0].eps), self.n_heads,
                                              self.n_kv, self.head_dim, self.head_dim**-0.5)
             made = _KERNEL_LAYERS[self] = (norms[0].weight, norms[1].weight, layer)
         return made[2]
@@ -215,7 +209,7 @@ class AugmentLayer(nn.Module):
         """Causal attention of the new positions (B, heads, T, hd) over the cache and themselves, by `bf16_kernel`
         (B, T, heads, hd), reading for each few query rows only the keys they see (a long prompt's first catch-up
         over all its positions); None where it has none."""
-        return bf16_kernel.attention(q, k, v, None, self.head_dim**-0.5, causal=q.shape[2] > 1)
+        return cpu.attention(q, k, v, None, self.head_dim**-0.5, causal=q.shape[2] > 1)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None
                    ) -> torch.Tensor:
@@ -252,17 +246,17 @@ class AttentionDecoder(nn.Module):
             nn.init.zeros_(self.v_proj.bias)
 
     def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() and bf16_kernel.serves(h):  # drafting in bf16: one call where the products can
+        if not torch.is_grad_enabled() and cpu.serves(h):  # drafting in bf16: one call where the products can
             rows = h.numel() // h.shape[-1]
             projections = [kernel_weights(p, rows, [p.out_features]) for p in (self.q_proj, self.k_proj, self.v_proj)]
-            out = None if None in projections else bf16_kernel.attention_decoder(
+            out = None if None in projections else cpu.attention_decoder(
                 h, e, self.norm.weight, self.norm.eps, projections, self.n_heads)
             if out is not None:
                 return out
         q, k, v = self.q_proj(self.norm(h)), self.k_proj(e), self.v_proj(e)
-        if not torch.is_grad_enabled() and h.shape == q.shape == k.shape == v.shape and bf16_kernel.serves(h) and (
+        if not torch.is_grad_enabled() and h.shape == q.shape == k.shape == v.shape and cpu.serves(h) and (
                 q.dtype == k.dtype == v.dtype == h.dtype):
-            return bf16_kernel.cosine_gate(h, q, k, v, self.n_heads)  # drafting in bf16: one call for the lines below
+            return cpu.cosine_gate(h, q, k, v, self.n_heads)  # drafting in bf16: one call for the lines below
         shape = (*h.shape[:-1], self.n_heads, -1)
         q, k, v = q.view(shape), k.view(shape), v.view(shape)
         gate = F.cosine_similarity(q, k, dim=-1).unsqueeze(-1)  # (..., n_heads, 1)
@@ -280,9 +274,9 @@ class OutputHead(nn.Module):
         nn.init.zeros_(self.fc.bias)
 
     def forward(self, s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() and bf16_kernel.serves(s):  # drafting in bf16: one call where the product can
+        if not torch.is_grad_enabled() and cpu.serves(s):  # drafting in bf16: one call where the product can
             fc = kernel_weights(self.fc, s.numel() // s.shape[-1], [self.fc.out_features])
-            out = None if fc is None else bf16_kernel.output_head(s, e, fc, self.norm.weight, self.norm.eps)
+            out = None if fc is None else cpu.output_head(s, e, fc, self.norm.weight, self.norm.eps)
             if out is not None:
                 return out
         return self.norm(s + F.silu(self.fc(torch.cat([s, e], dim=-1))))
@@ -368,39 +362,23 @@ class DraftLMHead:
     @classmethod
     def quantized(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> DraftLMHead:
         """Symmetric int8 rows, one scale per row (max |w| / 127, rounded to the weight's dtype first). In bf16 on a
-        CPU the kernel's int8 product computes them where it is built (`bf16_kernel.int8_product`): SmolLM2's drafting
+        CPU the kernel's int8 product computes them where it is built (`cpu.int8_product`): SmolLM2's drafting
         took 1.59 against 1.70 ms a step in torch's int8 kernel (AVX-512-bf16 EPYC, alternating)."""
         w = weight.float()
         scales = (w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127).to(weight.dtype)
         rows = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
-        kernel = bf16_kernel.int8_product(rows, scales, bias) if bf16_kernel.serves(weight) else None
+        kernel = cpu.int8_product(rows, scales, bias) if cpu.serves(weight) else None
         return cls(rows, bias, scales, kernel=kernel)
 
 
 def top_probabilities(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k likeliest tokens of each row of `logits` (N, V) and their probabilities (float32), likeliest first:
-    softmax then topk, or `bf16_kernel.top_probs` in one call where it serves."""
-    fast = bf16_kernel.top_probs(logits, k)
+    softmax then topk, or `cpu.top_probs` in one call where it serves."""
+    fast = cpu.top_probs(logits, k)
     if fast is not None:
         return fast
     top = logits.float().softmax(-1).topk(k, dim=-1)
     return top.values, top.indices
-
-
-def watch(t: torch.Tensor | None) -> tuple | None:
-    """What identifies a tensor's contents for a cache: the tensor (weakly), its storage and in-place version."""
-    if t is None:
-        return None
-    storage = t.data_ptr() if plain(t) else None  # a quantized tensor subclass may have no storage of its own
-    return weakref.ref(t), storage, t.dtype, t.device, None if t.is_inference() else t._version
-
-
-def unchanged(watched: list[tuple | None], tensors: list[torch.Tensor | None]) -> bool:
-    """Whether `tensors` are those `watch` saw, their contents unchanged."""
-    for w, t in zip(watched, tensors):
-        if (w is None) != (t is None) or (t is not None and (w[0]() is not t or w[1:] != watch(t)[1:])):
-            return False
-    return True
 
 
 class DraftHeads(nn.Module):
@@ -518,11 +496,11 @@ class CloverHeads(DraftHeads):
 
     def draft_feature(self, hidden: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor,
                       cache: AugmentCache | None) -> torch.Tensor | None:
-        """`features(...)[0][0, -1]` for one row (1, T, H) extending `cache`, in one kernel call (`bf16_kernel.Features`)
+        """`features(...)[0][0, -1]` for one row (1, T, H) extending `cache`, in one kernel call (`cpu.Features`)
         where it serves: bf16 on the CPU, a cache that holds keys, every product in the kernel's tiled copies; else
         None (nothing done)."""
         if (cache is None or torch.is_grad_enabled() or hidden.shape[0] != 1 or next_embeds.dtype is not hidden.dtype
-                or not bf16_kernel.serves(hidden)):
+                or not cpu.serves(hidden)):
             return None
         made = self._kernel_features(hidden.dtype)
         if made is None:
@@ -555,7 +533,7 @@ class CloverHeads(DraftHeads):
             return None
         key = (*layers, decoder.norm.weight, norm.weight)
         if made is None or len(made[0]) != len(key) or any(a is not b for a, b in zip(made[0], key)):
-            features = bf16_kernel.Features(decoder.norm.weight, decoder.norm.eps, decoder.n_heads, norm.weight,
+            features = cpu.Features(decoder.norm.weight, decoder.norm.eps, decoder.n_heads, norm.weight,
                                             norm.eps, layers)
             made = _KERNEL_FEATURES[self] = (key, features, BlockMemo())
         return made
@@ -626,11 +604,11 @@ class CloverHeads(DraftHeads):
 
     def _kernel_draft(self, feature: torch.Tensor, root: torch.Tensor, tree: "TreeBuffers", embed: nn.Module,
                       lm_head: DraftLMHead) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`draft` in one kernel call (`bf16_kernel.StaticDraft`) where it serves: bf16 on the CPU, draft rows in the
+        """`draft` in one kernel call (`cpu.StaticDraft`) where it serves: bf16 on the CPU, draft rows in the
         kernel's int8 product, residual output heads, and every product at the levels' row counts tiled; else None."""
         table = _embedding_table(embed)
         if (table is None or lm_head.kernel is None or self.config.output_head != "residual"
-                or torch.is_grad_enabled() or not bf16_kernel.serves(feature)):
+                or torch.is_grad_enabled() or not cpu.serves(feature)):
             return None
         token = int(root)
         if not 0 <= token < table.shape[0]:  # the embedding's own lookup refuses it
@@ -655,10 +633,10 @@ class CloverHeads(DraftHeads):
                  *(t for head, projections in weights for t in (*head[:3], *(t for pair in projections for t in pair)))]
         signature = tuple(id(t) for t in parts)
         if found is None or found[1] != signature:
-            if not bf16_kernel.StaticDraft.fits(tree.levels, weights, lm_head.kernel.keep, self.draft_token_ids,
+            if not cpu.StaticDraft.fits(tree.levels, weights, lm_head.kernel.keep, self.draft_token_ids,
                                                 table):
                 return None
-            draft = bf16_kernel.StaticDraft(tree.levels, weights, (regressive.norm.weight, regressive.norm.eps),
+            draft = cpu.StaticDraft(tree.levels, weights, (regressive.norm.weight, regressive.norm.eps),
                                             regressive.n_heads, lm_head.kernel.keep, self.draft_token_ids, table)
             found = (tree, signature, draft)  # the tree kept: its id names no other while cached
         made[id(tree)] = (*found[:3], bound)
@@ -848,3 +826,8 @@ class MedusaHeads(DraftHeads):
 def build_heads(config: CloverConfig) -> DraftHeads:
     """Fresh heads of the kind `config.head_type` names."""
     return MedusaHeads(config) if config.head_type == "medusa" else CloverHeads(config)
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) index of the packed example each position belongs to: a new one wherever a position is 0."""
+    return (position_ids == 0).cumsum(-1)

@@ -22,19 +22,20 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessorList, MaxLengthCriteria, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from . import bf16_kernel
+from clover_hf import cpu
+from clover_hf.base.cache import OUTPUT_CACHE_FIELD, given_cache, is_static, static_cache, to_normal_tensors
+from clover_hf.base.forward import MaskLayout
+from clover_hf.base.lean_layers import lean_layers
+from clover_hf.base.verify_forward import VerifyForward, compile_settings
+from clover_hf.cpu import FormTrials, LinearForms, faster_forms, linear_forms
+from clover_hf.heads.modules import DraftHeads, DraftLMHead
+from clover_hf.heads.tree import DynamicTree, TreeBuffers
+
 from .budget import DraftBudget, cost_key
-from .cache import OUTPUT_CACHE_FIELD, given_cache, is_static, static_cache, to_normal_tensors
 from .choosing import StepBudget
 from .drafting import Draft, draft_rows, stack_trees, static_trees, tree_spec
-from .form_trials import FormTrials
-from .heads import DraftHeads, DraftLMHead
-from .lean_layers import lean_layers
-from .linears import LinearForms, faster_forms, linear_forms
 from .rows import Batch, Row, criteria_read_scores, pad_id, prefill, sequences, start_rows
-from .tree import DynamicTree, TreeBuffers
-from .verification import MaskLayout, TopKCut, accept_greedy, accept_sampled, process_tree_logits, sample_columns
-from .verify_forward import VerifyForward, compile_settings
+from .verification import TopKCut, accept_greedy, accept_sampled, process_tree_logits, sample_columns
 
 
 @dataclass
@@ -444,7 +445,7 @@ def _accept_rows(rows: list[Row], drafts: list[Draft], logits: torch.Tensor | No
                 nodes, bonus = accept_sampled(tokens, scores.softmax(-1), tree, uniforms, host)
         else:
             scores = process_tree_logits(logits[b, :n], row.emitter.input_ids, tokens, tree, logits_processor)
-            chosen = bf16_kernel.argmax(scores)
+            chosen = cpu.argmax(scores)
             nodes, bonus = accept_greedy(tokens, scores.argmax(-1) if chosen is None else chosen, tree, host)
         stats.accepted_lengths.append(nodes.shape[0] - 1)
         stats.verified_tokens += n

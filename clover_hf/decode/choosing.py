@@ -10,14 +10,14 @@ from collections.abc import Callable, Hashable
 import torch
 from transformers import PreTrainedModel
 
-from .budget import AcceptanceModel, CostModel, DraftBudget, choose_width, laggard_tokens, likeliest, path_chances
-from .cache import compact_cache
-from .drafting import Draft, shallower
-from .hardware import timed
-from .rows import Batch
-from .tree import DynamicTree, TreeBuffers
-from .verify_forward import VerifyForward
+from clover_hf.base.cache import compact_cache
+from clover_hf.base.verify_forward import VerifyForward
+from clover_hf.core.hardware import timed
+from clover_hf.heads.tree import DynamicTree, TreeBuffers
 
+from .budget import AcceptanceModel, CostModel, DraftBudget, choose_width, laggard_tokens, likeliest, path_chances
+from .drafting import Draft, shallower
+from .rows import Batch
 
 EXPLORE_LIMIT = 3.0  # the first steps stop learning wider widths once one costs this many one-token steps
 LEARN_STEPS = 32  # steps a call verifies a width the form trials have still to learn, at most (`StepBudget.learn`)

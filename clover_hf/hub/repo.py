@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from huggingface_hub import constants, snapshot_download
 from huggingface_hub.errors import (
-    HFValidationError,
     HfHubHTTPError,
+    HFValidationError,
     IncompleteSnapshotError,
     LocalEntryNotFoundError,
     OfflineModeIsEnabled,
@@ -19,7 +19,9 @@ from huggingface_hub.errors import (
 )
 from safetensors.torch import save_file
 
-from .config import CONFIG_NAME, WEIGHTS_NAME, CloverConfig
+from clover_hf.heads.config import CONFIG_NAME, WEIGHTS_NAME, CloverConfig
+from clover_hf.heads.modules import DraftHeads, build_heads
+
 from .formats import (
     CLOVER2_FILES,
     MEDUSA_FILES,
@@ -30,7 +32,6 @@ from .formats import (
     read_medusa,
     read_safetensors,
 )
-from .heads import DraftHeads, build_heads
 
 HEADS_FILES = [CONFIG_NAME, WEIGHTS_NAME, "README.md"]
 

@@ -18,7 +18,7 @@ from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import DynamicLayer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from . import bf16_kernel
+from clover_hf import cpu
 
 
 class _CutView:
@@ -51,7 +51,7 @@ class GrowingLayer(DynamicLayer):
 
     SPARE = 128
     _length: int | None = None  # where set_length left the keys and values the stores' first slots, not yet cut
-    _key_layout: bf16_kernel.KeyLayout | None = None  # the kernel's layout of the key store (`key_layout`)
+    _key_layout: cpu.KeyLayout | None = None  # the kernel's layout of the key store (`key_layout`)
 
     keys = _CutView()
     values = _CutView()
@@ -80,12 +80,12 @@ class GrowingLayer(DynamicLayer):
         self.set_length(end)
         return self.keys, self.values
 
-    def key_layout(self) -> bf16_kernel.KeyLayout | None:
-        """The kernel's layout of the key store's keys (`bf16_kernel.KeyLayout`), made for the stores as they are;
+    def key_layout(self) -> cpu.KeyLayout | None:
+        """The kernel's layout of the key store's keys (`cpu.KeyLayout`), made for the stores as they are;
         None where the layer holds no stores."""
         if self.stores is None:
             return None
-        self._key_layout = bf16_kernel.KeyLayout.of(self.stores[0], self._key_layout)
+        self._key_layout = cpu.KeyLayout.of(self.stores[0], self._key_layout)
         return self._key_layout
 
     def reserve(self, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -115,9 +115,9 @@ class GrowingLayer(DynamicLayer):
             self._inference = self.stores[0].is_inference()
         return self.stores
 
-    def extend(self, layer: bf16_kernel.DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def extend(self, layer: cpu.DecoderLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                weights: list, mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor | None:
-        """`layer`'s output for x (`bf16_kernel.DecoderLayer`), its keys and values for x written into the stores in
+        """`layer`'s output for x (`cpu.DecoderLayer`), its keys and values for x written into the stores in
         place after those held; None (nothing done) where this holds no keys yet or the kernel does not take the
         inputs."""
         length = self.get_seq_length()
@@ -316,13 +316,13 @@ def compact_cache(cache: DynamicCache, prefix_len: int, keep: torch.Tensor) -> N
 
 
 def _slot_mover(cache, pairs: list[tuple[torch.Tensor, torch.Tensor]]):
-    """`bf16_kernel.SlotMover` over the keys and values `pairs` of the cache's layers: the cache's last one where its
+    """`cpu.SlotMover` over the keys and values `pairs` of the cache's layers: the cache's last one where its
     layers hold the same tensors (a growing layer's stores until they grow), else a new one; a mover that moves
     nothing where the kernel does not take them."""
     made = _SLOT_MOVERS.get(cache)
     if made is not None and len(made[0]) == len(pairs) and all(a is b for a, b in zip(made[0], pairs)):
         return made[1]
-    mover = bf16_kernel.SlotMover.of([t for pair in pairs for t in pair]) or _no_move
+    mover = cpu.SlotMover.of([t for pair in pairs for t in pair]) or _no_move
     _SLOT_MOVERS[cache] = (pairs, mover)
     return mover
 

@@ -54,3 +54,9 @@ def decoder_layers(base_model: nn.Module) -> nn.ModuleList | None:
             return layers
     return None
 
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (rotate-half form). x: (B, nh, T, hd); cos, sin from `rope_tables`."""
+    hd = x.shape[-1]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin

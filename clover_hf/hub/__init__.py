@@ -1,0 +1,1 @@
+"""Heads on disk and on the Hub: saving, loading, other layouts (Medusa, Clover-2), model cards."""

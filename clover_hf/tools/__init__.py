@@ -1,0 +1,1 @@
+"""The command line (`clover-hf`) and the benchmark."""
