@@ -10,19 +10,23 @@ import importlib
 from typing import TYPE_CHECKING
 
 _HOME = {
-    "CostModel": "decode.budget", "DraftBudget": "decode.budget",
+    "CostModel": "decode.costs", "DraftBudget": "decode.budget",
     "DEFAULT_TREE": "heads.config", "CloverConfig": "heads.config",
     "GenerationStats": "decode.loop", "clover_generate": "decode.loop",
-    "CloverHeads": "heads.modules", "DraftHeads": "heads.modules", "DraftLMHead": "heads.modules", "MedusaHeads": "heads.modules",
+    "CloverHeads": "heads.clover", "DraftHeads": "heads.base", "DraftLMHead": "heads.lm_head", "MedusaHeads": "heads.medusa",
     "CloverForCausalLM": "modeling",
     "DynamicTree": "heads.tree", "build_tree": "heads.tree",
 }
 
 if TYPE_CHECKING:
-    from clover_hf.decode.budget import CostModel, DraftBudget
+    from clover_hf.decode.budget import DraftBudget
+    from clover_hf.decode.costs import CostModel
     from clover_hf.heads.config import DEFAULT_TREE, CloverConfig
     from clover_hf.decode.loop import GenerationStats, clover_generate
-    from clover_hf.heads.modules import CloverHeads, DraftHeads, DraftLMHead, MedusaHeads
+    from clover_hf.heads.base import DraftHeads
+    from clover_hf.heads.clover import CloverHeads
+    from clover_hf.heads.lm_head import DraftLMHead
+    from clover_hf.heads.medusa import MedusaHeads
     from .modeling import CloverForCausalLM
     from clover_hf.heads.tree import DynamicTree, build_tree
 

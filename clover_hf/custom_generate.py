@@ -18,7 +18,7 @@ from transformers import GenerationMixin, PreTrainedModel
 
 from clover_hf import __version__
 from clover_hf.decode.budget import DraftBudget
-from clover_hf.heads.modules import DraftHeads
+from clover_hf.heads.base import DraftHeads
 from clover_hf.hub.repo import load_heads, resolve_heads
 
 from .modeling import CloverForCausalLM

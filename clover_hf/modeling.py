@@ -20,10 +20,13 @@ from clover_hf import cpu
 from clover_hf.base.cache import capacity, given_cache, is_static, static_sliding_layers
 from clover_hf.base.forward import MaskLayout
 from clover_hf.core.quantized import check_readable
-from clover_hf.decode.budget import CostModel, DraftBudget
+from clover_hf.decode.budget import DraftBudget
+from clover_hf.decode.costs import CostModel
 from clover_hf.decode.loop import GenerationStats, clover_generate
 from clover_hf.heads.config import CloverConfig
-from clover_hf.heads.modules import CloverHeads, DraftHeads, build_heads
+from clover_hf.heads.base import DraftHeads
+from clover_hf.heads.build import build_heads
+from clover_hf.heads.clover import CloverHeads
 from clover_hf.hub.card import write_model_card
 from clover_hf.hub.repo import HEADS_FILES, is_heads_dir, load_heads, resolve_heads, save_heads
 
@@ -278,10 +281,10 @@ class CloverForCausalLM(nn.Module):
         tree every step, and "one-token": one token a step, no drafting (what speculation adds is
         Clover against this), both in the linear forms and weight copies "auto" multiplies with. A `CostModel` fixes the costs (nothing is
         measured). The first "auto" call on a new (base, dtype, device, threads, CPU) times how this
-        machine multiplies (about a second) and learns the verify costs from its own first steps,
+        machine multiplies (briefly, once) and learns the verify costs from its own first steps,
         each verifying one width it has no cost for yet; the costs are kept in the user cache
         ($CLOVER_HF_CACHE or ~/.cache/clover_hf). `calibrate=True` times every width again up front
-        (a few seconds), `calibrate=False` never measures (without stored costs the whole tree is
+        (a forward or two per width), `calibrate=False` never measures (without stored costs the whole tree is
         verified).
 
         `tree` overrides the heads' draft tree for this call (Medusa paths, or a dynamic tree as

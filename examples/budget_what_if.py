@@ -8,7 +8,8 @@ off the cost model: speedup = plain decoding's cost (one 1-token forward per tok
     python examples/budget_what_if.py --dtype float32 --limit 20
     python examples/budget_what_if.py --dtype float32 --limit 20 --set RECENT_RANGE=1,1   # no recent factor
 
-`--set NAME=VALUE` overrides a constant of `clover_hf.decode.budget` (comma-separated values make a tuple).
+`--set NAME=VALUE` overrides a constant of the draft budget's modules (`clover_hf.decode.budget`, `.costs`,
+`.acceptance`, `.widths`; comma-separated values make a tuple).
 The default costs are medians of 7 timings on an AVX2-only AMD EPYC, 2 threads, 200-token cache, with
 `F.linear` at every width (before the budget chose linear forms: in float32 there, 2-16-token forwards
 now cost 1.3-1.7x a one-token one instead of 1.7-2x); `--costs '{"1": 40, "2": 60, ...}'` gives
@@ -22,9 +23,13 @@ import json
 
 import torch
 
+import clover_hf.decode.acceptance as acceptance_module
 import clover_hf.decode.budget as budget_module
+import clover_hf.decode.costs as costs_module
 import clover_hf.decode.loop as decoding
-from clover_hf.decode.budget import CostModel, DraftBudget
+import clover_hf.decode.widths as widths_module
+from clover_hf.decode.budget import DraftBudget
+from clover_hf.decode.costs import CostModel
 from clover_hf.embedded import load_default
 from clover_hf.training.data import mtbench_questions
 
@@ -50,9 +55,11 @@ def main() -> None:
     args = parser.parse_args()
     for item in args.set:
         name, value = item.split("=", 1)
-        if not hasattr(budget_module, name):
-            raise SystemExit(f"clover_hf.decode.budget has no {name}")
-        setattr(budget_module, name, _value(value))
+        homes = [module for module in (budget_module, costs_module, acceptance_module, widths_module)
+                 if hasattr(module, name)]
+        if not homes:
+            raise SystemExit(f"the draft budget's modules have no {name}")
+        setattr(homes[0], name, _value(value))
     curve, draft_ms = AVX2_COSTS[args.dtype]
     curve = {int(w): float(ms) for w, ms in (args.costs or curve).items()}
     draft_ms = args.draft_ms if args.draft_ms is not None else draft_ms

@@ -50,8 +50,8 @@ def main() -> None:
         model.generate(warm, **kwargs)
         if not model.generation_stats.learning_steps:
             break
-    print(f"warm-up, untimed: {calls} clover call(s), {time.perf_counter() - start:.1f} s (a first run on a machine "
-          "learns how its CPU multiplies, kept in the user cache; each process makes its weight copies)")
+    print(f"warm-up, untimed: {calls} clover call(s), {time.perf_counter() - start:.1f} s (learning how this CPU "
+          "multiplies, kept in the user cache, and making the weight copies)")
 
     plain_time = clover_time = one_time = 0.0
     plain_tokens = clover_tokens = one_tokens = steps = identical = verified = verify_steps = learning = 0
@@ -75,32 +75,22 @@ def main() -> None:
               f"{t_plain / t_fast:.2f}x plain generate; identical to plain: {same}]")
 
     plain_rate, one_rate, clover_rate = plain_tokens / plain_time, one_tokens / one_time, clover_tokens / clover_time
-    print("\n=== summary ===")
-    print(f"CPU capability {cpu_capability()}; dtype {dtype_name}; greedy; {args.max_new_tokens} new tokens; "
-          f"{torch.get_num_threads()} threads")
-    print(f"plain generate:               {plain_rate:.1f} tokens/s")
-    print(f"clover, one-token steps:      {one_rate:.1f} tokens/s  ({one_rate / plain_rate:.2f}x plain: Clover's "
-          "kernels alone, no speculation)")
-    print(f"clover:                       {clover_rate:.1f} tokens/s  ({clover_tokens / steps:.2f} tokens/step, "
-          f"{verified / verify_steps:.2f} tokens verified per step: the budget chosen for this machine)")
-    print(f"speedup:                      {clover_rate / plain_rate:.2f}x plain generate; speculation's own share "
-          f"{clover_rate / one_rate:.2f}x (clover against its one-token steps)")
+    print(f"\n=== summary: {dtype_name}, greedy, {args.max_new_tokens} new tokens, {torch.get_num_threads()} threads, "
+          f"CPU capability {cpu_capability()} ===")
+    print(f"plain generate:           {plain_rate:.1f} tokens/s")
+    print(f"clover, one-token steps:  {one_rate:.1f} tokens/s ({one_rate / plain_rate:.2f}x plain: Clover's kernels "
+          "alone)")
+    print(f"clover:                   {clover_rate:.1f} tokens/s ({clover_tokens / steps:.2f} tokens/step, "
+          f"{verified / verify_steps:.2f} verified/step)")
+    print(f"speedup:                  {clover_rate / plain_rate:.2f}x plain generate, measured in this run; "
+          f"speculation adds {clover_rate / one_rate:.2f}x over Clover's one-token steps")
     if learning:
-        print(f"still learning:               {learning} of {verify_steps} clover steps ran while Clover learnt how "
-              "this CPU multiplies (kept in the user cache); until a call is far enough ahead of plain generate to "
-              "afford that, its steps verify one token. Run `make demo` again for the steady state.")
-    print(f"identical to plain generate:  {identical}/{len(PROMPTS)}. " + (
-        "Exact in float32 (guaranteed and tested)." if dtype == torch.float32 else
-        f"In {dtype_name}, Clover multiplies the rows of the prompt's prefill and of each verify forward in the "
-        "form measured fastest here (on x86 CPUs its own compiled kernel, summing in another order than torch's; "
-        "on CPUs without native bf16 also float32 from float16 or float32 copies of the weights), sums each "
-        "RMSNorm's squares in another order, and on the CPU attends in its own kernel where built (float32 sums in "
-        "another order than SDPA's), else one token with its query heads packed (SDPA's grouped attention is several "
-        "times slower there), while plain generate multiplies in torch's bf16 kernels and "
-        "attends by SDPA's grouped attention: the sums round differently, the prompt's cache already "
-        "differs slightly, and where two tokens are nearly tied the argmax can differ and the texts part ways. "
-        "Which widths a step verifies depends on timings, so two runs may differ too. Neither text is the more "
-        "correct one. In float32 they are identical."))
+        print(f"still learning:           {learning} of {verify_steps} steps ran while Clover learnt how this CPU "
+              "multiplies; run `make demo` again for the steady state")
+    print(f"identical to plain:       {identical}/{len(PROMPTS)}; " + (
+        "exact in float32 (guaranteed and tested)." if dtype == torch.float32 else
+        f"in {dtype_name} Clover's kernels sum in another order than plain generate's, so where two tokens are "
+        "nearly tied the texts may part ways, neither more correct (docs/bf16.md)."))
 
 
 if __name__ == "__main__":

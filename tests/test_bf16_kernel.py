@@ -10,15 +10,18 @@ import torch
 import torch.nn.functional as F
 
 from clover_hf.cpu import kernel as bf16_kernel
-from clover_hf.cpu.linears import TILED, WeightCopies, form_linear, linear_forms, make_copy
-from clover_hf.decode import loop as decoding
+from clover_hf.cpu import kernel_layers, kernel_library
+from clover_hf.cpu.binding import linear_forms
+from clover_hf.cpu.kernel_library import KERNEL
+from clover_hf.cpu.linears import TILED, WeightCopies, form_linear, make_copy
+from clover_hf.decode import steps as decoding
 
 from .tiny import patch_kernel, tiny_model
 
-COMPILER = bf16_kernel._compiler()
+COMPILER = kernel_library._compiler()
 needs_kernel = pytest.mark.skipif(not bf16_kernel.cpu_supports() or COMPILER is None,
                                   reason="the CPU has neither AVX2 nor AVX-512-BF16, or there is no C compiler")
-FLAGS = bf16_kernel._cpu_flags()
+FLAGS = kernel_library._cpu_flags()
 NEEDS = {"avx512_bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}, "avx2": {"avx2", "fma"}}
 RUNS = [isa for isa, needs in NEEDS.items() if needs <= FLAGS and COMPILER is not None]  # the builds this CPU runs
 # each build: AVX-512-BF16's pair products, AVX2's widened weights
@@ -38,7 +41,7 @@ def _close_to_float64(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
 def built(tmp_path_factory):
     """Each build, made once into a folder of its own."""
     folder = tmp_path_factory.mktemp("kernels")
-    return lambda isa: bf16_kernel.load(isa, folder)
+    return lambda isa: kernel_library.load(isa, folder)
 
 
 @pytest.mark.parametrize("isa", BUILDS)
@@ -47,7 +50,7 @@ def built(tmp_path_factory):
 def test_the_kernel_computes_the_product_to_bf16_rounding(isa, rows, with_bias, built, monkeypatch):
     """Each build at every row count (rows go 14 or 4 at a time, fewer with sums split for more chains), odd
     and even numbers of input pairs, with and without a bias, and inputs of more than two dimensions."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     torch.manual_seed(rows)
     for out_features, in_features in ((96, 64), (32, 6), (64, 10), (64, 200)):
         weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
@@ -70,7 +73,7 @@ def test_the_avx2_build_rounds_each_row_alike_whatever_the_number_of_rows(isa, b
     """AVX2's sums add in one order at every row count (more than 4 rows go up to 6 a pass over half a tile, a
     chunk of input pairs at a time; a prefill's a block of rows at a time): each row of a product of 1-20 rows, and
     of 450, is bitwise that row's product alone."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     torch.manual_seed(0)
     weight = torch.randn(96, 200, dtype=torch.bfloat16)  # 100 input pairs: whole chunks and part of one
     tiled, bias = bf16_kernel.tile(weight), torch.randn(96)
@@ -84,7 +87,7 @@ def test_the_avx2_build_rounds_each_row_alike_whatever_the_number_of_rows(isa, b
 @pytest.mark.parametrize("isa", BUILDS)
 def test_the_kernel_rounds_to_nearest_even_and_keeps_nan_and_inf_as_torch_does(isa, built, monkeypatch):
     """Sums that fall exactly between two bf16 values, overflow and NaN: rounded as torch rounds float32 to bf16."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     one = torch.ones(32, 2, dtype=torch.bfloat16)
     weight = torch.cat([one[:, :1], torch.zeros(32, 1, dtype=torch.bfloat16)], 1)
     x = torch.tensor([[1.0, 0.0], [float("nan"), 0.0], [float("inf"), 0.0], [-3e38, 0.0]], dtype=torch.bfloat16)
@@ -130,7 +133,7 @@ def test_stacked_and_strided_weights_tile_as_their_contiguous_stack():
 def test_whole_forwards_in_the_tiled_form_match_f_linear(arch, isa, built, monkeypatch):
     """A tiny bf16 model's forwards of 1-16 tokens with every layer in the tiled form, q/k/v (qwen2: with
     biases) and gate/up stacked into one tiled copy, match its forwards in F.linear to bf16 rounding."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     model = tiny_model(arch, dtype=torch.bfloat16)
     copies = WeightCopies(limit=10**9)
     ids = torch.randint(0, 256, (1, 16))
@@ -203,15 +206,15 @@ def test_clover_decodes_with_tiled_verify_forwards(monkeypatch):
 def test_without_a_compiler_the_kernel_is_left_out_with_torchs_kernels_computing(tmp_path, monkeypatch, caplog):
     """A machine with no C compiler (or a build that fails) gets no kernel and no error: the forms do not
     offer it, and the build is not tried again in the process."""
-    monkeypatch.setattr(bf16_kernel, "_library", None)
-    monkeypatch.setattr(bf16_kernel, "_failed", False)
-    monkeypatch.setattr(bf16_kernel, "_build", None)
-    monkeypatch.setattr(bf16_kernel, "instruction_set", lambda: "avx2")
+    monkeypatch.setattr(KERNEL, "lib", None)
+    monkeypatch.setattr(KERNEL, "failed", False)
+    monkeypatch.setattr(KERNEL, "building", None)
+    monkeypatch.setattr(kernel_library, "instruction_set", lambda: "avx2")
     monkeypatch.setenv("CLOVER_HF_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     from clover_hf.cpu.linears import copy_forms_for
 
-    with caplog.at_level("INFO", logger="clover_hf.cpu.kernel"):
+    with caplog.at_level("INFO", logger="clover_hf.cpu.kernel_library"):
         assert not bf16_kernel.available()
     assert "not built" in caplog.text
     assert not list((tmp_path / "kernels").glob("*"))  # nothing half-written left behind
@@ -222,46 +225,46 @@ def test_without_a_compiler_the_kernel_is_left_out_with_torchs_kernels_computing
 
 @needs_kernel
 def test_the_kernel_is_built_once_into_the_cache_and_loaded_from_there(tmp_path, monkeypatch):
-    from clover_hf.decode.budget import cost_key
+    from clover_hf.decode.costs import cost_key
 
-    monkeypatch.setattr(bf16_kernel, "_library", None)
-    monkeypatch.setattr(bf16_kernel, "_build_id", None)
-    monkeypatch.setattr(bf16_kernel, "_failed", False)
-    monkeypatch.setattr(bf16_kernel, "_build", None)
+    monkeypatch.setattr(KERNEL, "lib", None)
+    monkeypatch.setattr(KERNEL, "build_id", None)
+    monkeypatch.setattr(KERNEL, "failed", False)
+    monkeypatch.setattr(KERNEL, "building", None)
     monkeypatch.setenv("CLOVER_HF_CACHE", str(tmp_path))
     bf16_kernel.prepare()  # in the background, as a model load starts it
     assert bf16_kernel.available()
-    made = bf16_kernel.library_path(bf16_kernel.instruction_set(), tmp_path)
+    made = kernel_library.library_path(bf16_kernel.instruction_set(), tmp_path)
     assert made.exists() and [p.name for p in (tmp_path / "kernels").iterdir()] == [made.name]
     # verify costs are kept per build: a changed kernel learns them again
     digest = made.stem.rsplit("-", 1)[-1]
     assert bf16_kernel.build_id() == digest
     assert cost_key(tiny_model("llama", dtype=torch.bfloat16), torch.device("cpu")).endswith(f"bf16 kernel {digest}")
     stamp = made.stat().st_mtime_ns
-    monkeypatch.setattr(bf16_kernel, "_library", None)
-    monkeypatch.setattr(bf16_kernel, "_build", None)
+    monkeypatch.setattr(KERNEL, "lib", None)
+    monkeypatch.setattr(KERNEL, "building", None)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))  # no compiler needed once built (the name
-    monkeypatch.setattr(bf16_kernel, "library_path", lambda isa, cache_dir=None: made)  # depends on it)
+    monkeypatch.setattr(kernel_library, "library_path", lambda isa, cache_dir=None: made)  # depends on it)
     assert bf16_kernel.available() and made.stat().st_mtime_ns == stamp
 
 
 def test_the_build_follows_the_cpu_and_what_torch_is_told_to_act_as(monkeypatch):
-    monkeypatch.setattr(bf16_kernel, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512bw",
+    monkeypatch.setattr(kernel_library, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512bw",
                                                                        "avx512vl", "avx512_bf16", "avx512_vnni"}))
-    monkeypatch.setattr(bf16_kernel, "cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(kernel_library, "cpu_capability", lambda: "AVX512")
     assert bf16_kernel.instruction_set() == "avx512_bf16"
-    monkeypatch.setattr(bf16_kernel, "cpu_capability", lambda: "AVX2")  # ATEN_CPU_CAPABILITY=avx2
+    monkeypatch.setattr(kernel_library, "cpu_capability", lambda: "AVX2")  # ATEN_CPU_CAPABILITY=avx2
     assert bf16_kernel.instruction_set() == "avx2"
-    monkeypatch.setattr(bf16_kernel, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl",
+    monkeypatch.setattr(kernel_library, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl",
                                                                        "avx512_bf16"}))  # no VNNI
-    monkeypatch.setattr(bf16_kernel, "cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(kernel_library, "cpu_capability", lambda: "AVX512")
     assert bf16_kernel.instruction_set() == "avx2"
-    monkeypatch.setattr(bf16_kernel, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))  # no bf16
-    monkeypatch.setattr(bf16_kernel, "cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(kernel_library, "_cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))  # no bf16
+    monkeypatch.setattr(kernel_library, "cpu_capability", lambda: "AVX512")
     assert bf16_kernel.instruction_set() == "avx2"
-    monkeypatch.setattr(bf16_kernel, "_cpu_flags", lambda: frozenset({"sse4_2"}))
+    monkeypatch.setattr(kernel_library, "_cpu_flags", lambda: frozenset({"sse4_2"}))
     assert bf16_kernel.instruction_set() is None and not bf16_kernel.cpu_supports()
-    monkeypatch.setattr(bf16_kernel, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr(kernel_library, "_cpu_flags", lambda: frozenset({"avx2", "fma"}))
     monkeypatch.setenv("CLOVER_HF_KERNEL", "0")
     assert not bf16_kernel.cpu_supports()
 
@@ -270,7 +273,7 @@ def test_the_build_follows_the_cpu_and_what_torch_is_told_to_act_as(monkeypatch)
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_the_fused_rms_norm_rounds_as_the_module_but_for_rare_last_bits(arch, isa, built, monkeypatch):
     """transformers' RMSNorm of a decoder layer (and Qwen3's per-head q/k norms) on bf16 rows of many scales."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     layer = tiny_model(arch, dtype=torch.bfloat16).model.layers[0]
     norms = [layer.input_layernorm, *([layer.self_attn.q_norm] if arch == "qwen3" else [])]
     torch.manual_seed(0)
@@ -329,9 +332,9 @@ def test_the_fused_rotary_embedding_is_bitwise_torchs(isa, built, monkeypatch):
     """Queries and keys as a projection's output views them (or as parts of a stacked q/k/v product), 1-16
     tokens, one and two rows: bitwise what torch's bf16 operations give, in the (B, heads, T, D) layout."""
     from clover_hf.base.lean_layers import _rotary_together
-    from clover_hf.heads.modules import rope_tables
+    from clover_hf.heads.rope import rope_tables
 
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     torch.manual_seed(0)
     for batch, tokens in ((1, 1), (1, 7), (2, 16)):
         stacked = torch.randn(batch, tokens, (9 + 3 + 3) * 64).to(torch.bfloat16) * 4
@@ -360,8 +363,8 @@ def test_the_kernels_attention_is_as_close_to_float64_as_sdpas(isa, mask_dtype, 
     float32 (blocked entries at bf16's lowest and at -inf) or none: within what SDPA's bf16 result is of float64. Also
     head sizes of 16 and 48, which a whole decoder layer's call attends with (`DecoderLayer`), though `attention` leaves
     them to SDPA: the AVX-512 build lays out keys 16 pairs at a time."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
-    monkeypatch.setattr(bf16_kernel, "ATTENTION_DIMS", range(16, 257, 16))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
+    monkeypatch.setattr(kernel_layers, "ATTENTION_DIMS", range(16, 257, 16))
     torch.manual_seed(0)
     for batch, heads, kv_heads, tokens, keys, dim in ((1, 9, 3, 1, 150, 64), (1, 9, 3, 8, 151, 64), (1, 9, 3, 20, 300, 64),
                                                       (2, 4, 2, 5, 37, 32), (1, 8, 8, 3, 17, 128), (1, 2, 1, 1, 1, 64),
@@ -388,7 +391,7 @@ def test_the_kernels_attention_split_among_threads_is_as_close_to_float64(isa, b
     """Where a head's rows are fewer than the threads could share (one token's few key/value heads), each build
     splits their keys among threads (the AVX-512 build at multiples of 16 keys) and merges the parts: two to eight parts, a part whose keys are all masked,
     rows in blocks of 4 and fewer; as close to float64 as one thread's single pass, and within a bf16 step of it."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     torch.manual_seed(0)
     threads = torch.get_num_threads()
     try:
@@ -415,7 +418,7 @@ def test_the_kernels_attention_reads_keys_and_values_as_views_of_a_larger_cache(
     """Keys and values that are the first slots of larger tensors (a growing cache's views of its stores: heads and
     batch rows further apart than the slots used) attend bitwise as their contiguous copies; other layouts are
     copied first."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     torch.manual_seed(0)
     query = torch.randn(2, 6, 3, 64).to(torch.bfloat16)
     stores = [torch.randn(2, 3, 90, 64).to(torch.bfloat16) for _ in range(2)]
@@ -434,8 +437,8 @@ def test_the_kernels_attention_rounds_its_weights_to_bf16_as_sdpa_does(isa, buil
     SDPA's, for head sizes of whole and half blocks of 32 (the AVX-512 build weighs two keys at a time) and an odd
     number of keys. On one thread: threads that split a head's keys weigh each part's values against its own largest
     score, as SDPA does only past its blocks of keys."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
-    monkeypatch.setattr(bf16_kernel, "ATTENTION_DIMS", range(16, 257, 16))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
+    monkeypatch.setattr(kernel_layers, "ATTENTION_DIMS", range(16, 257, 16))
     g = torch.Generator().manual_seed(0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -464,7 +467,7 @@ def test_the_kernels_causal_attention_is_bitwise_its_attention_under_the_causal_
     query rows reads only the keys its last row sees, and the keys it skips add nothing. Token counts within one pass
     and over several, passes that span two query heads, one row and several, and as close to float64 as SDPA's own
     causal attention."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     torch.manual_seed(0)
     for batch, heads, kv_heads, tokens, keys, dim in ((1, 9, 3, 60, 60, 64), (1, 9, 3, 5, 5, 64), (2, 4, 2, 37, 37, 32),
                                                       (1, 8, 8, 19, 19, 128), (1, 9, 3, 7, 40, 64), (1, 2, 1, 1, 1, 64),
@@ -492,7 +495,7 @@ def test_the_kernels_attention_leaves_what_it_does_not_take_to_sdpa(built, monke
         pytest.skip("no build runs on this CPU")
     q, k = torch.randn(1, 4, 2, 64).to(torch.bfloat16), torch.randn(1, 2, 10, 64).to(torch.bfloat16)
     for isa in RUNS:
-        monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+        monkeypatch.setattr(KERNEL, "lib", built(isa))
         assert bf16_kernel.attention(q, k, k, None, 0.125) is not None
         assert bf16_kernel.attention(q.float(), k.float(), k.float(), None, 0.125) is None
         assert bf16_kernel.attention(q[..., :48], k[..., :48], k[..., :48], None, 0.125) is None
@@ -609,7 +612,7 @@ def test_the_heads_draft_in_bf16_through_the_kernel_as_close_as_bf16_rounds(monk
 def test_the_cosine_gate_is_as_close_to_float64_as_torchs_bf16_ops(isa, built, monkeypatch):
     """h + v * cos(q, k) per head: within torch's own bf16 error plus a bf16 step, at one and several rows, with a zero
     query (its norm taken as eps, as F.cosine_similarity takes it: a zero gate)."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     torch.manual_seed(0)
     for rows in (1, 3):
         h, q, k, v = (torch.randn(2, rows, 96).to(torch.bfloat16) for _ in range(4))
@@ -625,21 +628,6 @@ def test_the_cosine_gate_is_as_close_to_float64_as_torchs_bf16_ops(isa, built, m
         assert (got.double() - exact).abs().max() <= (by_torch.double() - exact).abs().max() + 2**-7 * exact.abs().max()
 
 
-def test_rope_tables_read_from_the_position_table_are_bitwise_the_computed_ones():
-    """Without gradients on the CPU the heads' cos and sin come from a table of positions, grown as longer texts
-    need: bitwise what computing them for the positions gives (a row of positions in order read as a view of it,
-    others gathered)."""
-    from clover_hf.heads.modules import _rope_angles, rope_tables
-
-    for positions in (torch.tensor([[0, 1, 2]]), torch.tensor([[9]]), torch.tensor([[4, 3, 7]]),
-                      torch.tensor([[5, 9], [700, 701]]), torch.arange(3000)[None]):
-        for dtype in (torch.bfloat16, torch.float32):
-            with torch.no_grad():
-                table = rope_tables(positions, 64, 10000.0, dtype)
-            computed = _rope_angles(positions, 64, 10000.0, dtype)
-            assert all(torch.equal(a, b) for a, b in zip(table, computed))
-
-
 def _dequantized(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return rows.double() * scales.double()[:, None]
 
@@ -652,9 +640,9 @@ def test_the_int8_product_is_the_dequantized_product_to_bf16_rounding(isa, rows,
     of the exact product plus the rounding of x (half a step an input), at row counts below, at and past a pass's (6
     rows with AVX2, 8 with AVX-512), with a bias and inputs of more than two dimensions; where the CPU runs both
     builds, the same outputs from each (the same int32 sums); a row not finite gives NaNs."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     torch.manual_seed(rows)
-    from clover_hf.heads.modules import DraftLMHead
+    from clover_hf.heads.lm_head import DraftLMHead
 
     weight = torch.randn(96, 64, dtype=torch.bfloat16)
     bias = torch.randn(96, dtype=torch.bfloat16) if with_bias else None
@@ -673,7 +661,7 @@ def test_the_int8_product_is_the_dequantized_product_to_bf16_rounding(isa, rows,
     broken[0, 0, 5] = float("inf")
     assert product(broken)[0, 0].isnan().all() and torch.equal(product(broken)[1:], out[1:])
     for other in RUNS:
-        monkeypatch.setattr(bf16_kernel, "_library", built(other))
+        monkeypatch.setattr(KERNEL, "lib", built(other))
         assert torch.equal(bf16_kernel.int8_product(quantized.weight, quantized.scales, bias)(x), out)
     with pytest.raises(TypeError, match="bf16 rows"):
         product(x.float())
@@ -688,10 +676,10 @@ def test_the_int8_product_is_left_out_where_the_shape_is_not_one_it_takes(built,
         pytest.skip("no build runs on this CPU")
     rows, scales = torch.ones(64, 16, dtype=torch.int8), torch.ones(64)
     with monkeypatch.context() as unloaded:
-        unloaded.setattr(bf16_kernel, "available", lambda: False)
+        unloaded.setattr(KERNEL, "available", lambda: False)
         assert bf16_kernel.int8_product(rows, scales, None) is None
     for isa in RUNS:
-        monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+        monkeypatch.setattr(KERNEL, "lib", built(isa))
         assert bf16_kernel.int8_product(rows, scales, None) is not None
         assert bf16_kernel.int8_product(rows[:48], scales[:48], None) is None
         assert bf16_kernel.int8_product(rows[:, :15], scales, None) is None
@@ -703,7 +691,7 @@ def test_the_int8_product_is_left_out_where_the_shape_is_not_one_it_takes(built,
 def test_the_kernels_argmax_picks_the_indices_torch_picks(isa, built, monkeypatch):
     """Ties (the first largest), NaN (the first NaN), infinities, signed zeros, every row -inf, rows of every length
     around the kernel's 32-value steps, and rows at a stride (a verify forward's first nodes): torch's indices."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     torch.manual_seed(0)
     for trial in range(600):
         rows, width = trial % 5 + 1, trial % 97 + 1 + 32 * (trial % 3)
@@ -729,7 +717,7 @@ def test_the_kernels_argmax_picks_the_indices_torch_picks(isa, built, monkeypatc
 def test_the_kernels_top_probabilities_are_softmax_then_topk(isa, built, monkeypatch):
     """The k likeliest of each row and their softmax probabilities, as torch's softmax and topk give them (to float32
     summation); of equal logits the first ranks first; what it does not take is left to torch."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     torch.manual_seed(0)
     for trial in range(300):
         rows, width = trial % 4 + 1, (1, 7, 8, 9, 100, 8192)[trial % 6]
@@ -749,7 +737,7 @@ def test_the_fused_silu_times_up_is_bitwise_torchs_on_random_inputs(isa, built, 
     """F.silu(gate) * up in bf16, read from the parts of a stacked gate/up product (rows at a stride) or contiguous:
     bitwise torch's on random inputs at several scales, and where e^-x leaves float32's range (infinities, NaN,
     -88.5); inputs not of that form are left to torch."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     torch.manual_seed(0)
     for trial in range(40):
         width = (1536, 64, 13)[trial % 3]
@@ -769,7 +757,7 @@ def test_the_fused_silu_times_up_is_bitwise_torchs_on_random_inputs(isa, built, 
 def test_the_residual_sum_and_its_norm_in_one_call_are_torchs_add_and_the_fused_norm(isa, built, monkeypatch):
     """A decoder layer's residual sum, bitwise torch's bf16 add, and the RMSNorm of it, bitwise the fused norm's; inputs
     not of that form are left to torch."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     torch.manual_seed(0)
     weight = torch.randn(576).bfloat16()
     add_norm, norm = bf16_kernel.add_rms_norm(weight, 1e-5), bf16_kernel.rms_norm(weight, 1e-5, None)
@@ -791,7 +779,7 @@ def test_a_whole_decoder_layer_in_one_call_is_bitwise_its_calls_one_by_one(arch,
     import clover_hf.base.lean_layers as lean
     from clover_hf.base.cache import new_cache
 
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     calls = []
     for kind in (lean._WholeLayer, lean._Stack):
         def recorded(self, x, *args, _real=kind.__call__, _kind=kind.__name__):
@@ -841,9 +829,9 @@ def test_the_augmenting_blocks_layers_in_one_call_each_are_bitwise_their_calls_o
     """Drafting in bf16 with the heads' products in the tiled form, each Augmenting Block layer extends its cache as
     one kernel call once the cache holds keys (not for the first positions): the features and the cached keys and
     values bitwise those of its calls one by one, a few positions at a time; the heads can still be copied."""
-    from clover_hf.heads.modules import AugmentLayer
+    from clover_hf.heads.augment import AugmentLayer
 
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     base, heads, g = _random_bf16_heads()
     T, H = 23, base.config.hidden_size
     hidden, embeds = (torch.randn(1, T, H, generator=g).to(torch.bfloat16) for _ in range(2))
@@ -877,78 +865,6 @@ def test_the_augmenting_blocks_layers_in_one_call_each_are_bitwise_their_calls_o
     assert all(g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want))
 
 
-@pytest.mark.parametrize("isa", BUILDS)
-@pytest.mark.parametrize("layers", [1, 2])
-def test_the_heads_feature_for_drafting_in_one_kernel_call_is_bitwise_the_modules(isa, layers, built, monkeypatch):
-    """Drafting in bf16 with the heads' products in the tiled form: once the Augmenting Block's cache holds keys, the
-    feature of the last of a few new positions (input Attention Decoder, the Augmenting Block's layers, final norm)
-    is one kernel call, bitwise the modules' `features` at that position, and it extends the caches with bitwise the
-    same keys and values; where it does not serve (no cache, gradients, two rows, products not tiled, positions past
-    the rotary tables) it does nothing and says so."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
-    base, heads, g = _random_bf16_heads(norms=1.0, decoder_bias=True, num_augment_layers=layers)
-    T, H = 23, base.config.hidden_size
-    hidden, embeds = (torch.randn(1, T, H, generator=g).to(torch.bfloat16) for _ in range(2))
-    positions = torch.arange(T)[None]
-    tiled = {1 << k: TILED for k in range(5)}
-
-    def run(fused: bool):
-        sizes, features = (9, 1, 3, 1, 5, 4), []
-        with torch.no_grad(), linear_forms([heads], tiled, WeightCopies(limit=10**9)):
-            _, cache = heads.features(hidden[:, :9], embeds[:, :9], positions[:, :9])
-            start = 9
-            for size in sizes[1:]:
-                part = (hidden[:, start: start + size], embeds[:, start: start + size], positions[:, start: start + size])
-                feature = heads.draft_feature(*part, cache) if fused else heads.features(*part, cache)[0][0, -1]
-                assert feature is not None and feature.shape == (H,)
-                features.append(feature)
-                start += size
-        return [torch.stack(features), *(t for layer in cache.layers for t in (layer.keys, layer.values))]
-
-    calls = []
-    real = bf16_kernel.Features.__call__
-    monkeypatch.setattr(bf16_kernel.Features, "__call__", lambda self, *a: calls.append(a[0].shape[1]) or real(self, *a))
-    got, want = run(True), run(False)
-    assert calls == [1, 3, 1, 5, 4]
-    assert got[1].shape[2] == T and len(got) == 1 + 2 * layers
-    assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, want))
-    copy.deepcopy(heads)
-    with torch.no_grad():
-        _, cache = heads.features(hidden[:, :9], embeds[:, :9], positions[:, :9])
-        part = (hidden[:, 9:12], embeds[:, 9:12], positions[:, 9:12])
-        assert heads.draft_feature(*part, cache) is None  # outside the tiled forms
-        with linear_forms([heads], tiled, WeightCopies(limit=10**9)):
-            assert heads.draft_feature(*part, None) is None
-            assert heads.draft_feature(*part[:2], part[2] + 10**4, cache) is None  # past the rotary tables
-            assert heads.draft_feature(*(t.expand(2, *t.shape[1:]) for t in part), cache) is None
-            with torch.enable_grad():
-                assert heads.draft_feature(*part, cache) is None
-        assert cache.length == 9
-
-
-@pytest.mark.parametrize("isa", BUILDS)
-def test_the_output_head_and_attention_decoder_in_one_call_each_round_as_torchs_ops(isa, built, monkeypatch):
-    """Drafting in bf16 with the heads' products in the tiled form: an output head (norm(s + silu(fc([s; e])))) and the
-    Attention Decoder (h + v(e) cos(q(norm(h)), k(e))) are one kernel call each, as close to float64 as torch's bf16
-    ops (which they round as, but for silu's e^-x and the sums' order)."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
-    calls = []
-    for name in ("output_head", "attention_decoder"):
-        real = getattr(bf16_kernel, name)
-        patch_kernel(monkeypatch, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
-    base, heads, g = _random_bf16_heads(norms=1.0, decoder_bias=True)
-    s, e = (torch.randn(3, base.config.hidden_size, generator=g).to(torch.bfloat16) for _ in range(2))
-    for module in (heads.heads[1], heads.regressive):
-        with torch.no_grad():
-            want = module(s, e)
-            exact = copy.deepcopy(module).double()(s.double(), e.double())
-            with linear_forms([heads], {1 << k: TILED for k in range(5)}, WeightCopies(limit=10**9)):
-                got = module(s, e)
-        assert got.dtype == torch.bfloat16 and got.shape == s.shape
-        assert (got.double() - exact).abs().max() <= 1.5 * (want.double() - exact).abs().max() + 2**-7 * exact.abs().max()
-    assert calls == ["output_head", "attention_decoder"]
-
-
 @needs_kernel
 def test_where_torch_has_no_bf16_products_a_first_call_takes_the_tiled_forms_without_trials(tmp_path, monkeypatch):
     """bf16 on a CPU whose torch converts bf16 around each product, with the kernel built: the forms are the kernel's
@@ -956,7 +872,7 @@ def test_where_torch_has_no_bf16_products_a_first_call_takes_the_tiled_forms_wit
     are made; where oneDNN computes bf16, or in float32, the forms are learnt as before."""
     import clover_hf.cpu.linears as linears
     from clover_hf import CloverForCausalLM, DraftBudget
-    from clover_hf.decode.budget import load_costs
+    from clover_hf.decode.costs import load_costs
 
     from .tiny import prompt
 
@@ -975,76 +891,25 @@ def test_where_torch_has_no_bf16_products_a_first_call_takes_the_tiled_forms_wit
 
 
 @pytest.mark.parametrize("isa", BUILDS)
-def test_a_static_trees_draft_in_one_kernel_call_is_bitwise_the_levels_one_by_one(isa, built, monkeypatch):
-    """Drafting in bf16 from the kernel's int8 draft rows with the heads' products in the tiled form: a static tree's
-    levels (regressive decoder, output head, draft rows, top-k, the next level's embeddings) run as one kernel call,
-    made once per tree, whose tokens (through the draft vocabulary's ids) and probabilities are bitwise those of the
-    heads' modules level by level, for the whole tree and one cut shallower; the heads can still be copied."""
-    from clover_hf.decode.drafting import static_trees
-    from clover_hf.heads.modules import CloverHeads
-
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
-    base, heads, g = _random_bf16_heads(norms=1.0, decoder_bias=True, draft_vocab_size=64)
-    heads.draft_token_ids.copy_(torch.randperm(base.config.vocab_size, generator=g)[:64])
-    whole, shallow = (static_trees(heads.config.tree, "cpu", 0, depth)[0] for depth in (None, 2))
-    assert len(whole.levels) == 4 and len(shallow.levels) == 2
-    lm_head, embed = heads.draft_lm_head(base.get_output_embeddings(), int8=True), heads.token_embedding(base)
-    assert lm_head.kernel is not None
-    inputs = [(torch.randn(base.config.hidden_size, generator=g).to(torch.bfloat16),
-               torch.randint(0, base.config.vocab_size, (), generator=g)) for _ in range(3)]
-    made = []
-    real = bf16_kernel.StaticDraft.__init__
-    monkeypatch.setattr(bf16_kernel.StaticDraft, "__init__", lambda self, levels, *a: made.append(len(levels)) or real(
-        self, levels, *a))
-
-    def run():
-        with torch.no_grad(), linear_forms([heads], {1 << k: TILED for k in range(5)}, WeightCopies(limit=10**9)):
-            return [heads.draft(feature, root, tree, embed, lm_head) for feature, root in inputs
-                    for tree in (whole, shallow)]
-
-    got = run()
-    assert made == [4, 2]  # once per tree, used at every call
-    copy.deepcopy(heads)
-    with torch.no_grad(), linear_forms([heads], {1 << k: TILED for k in range(5)}, WeightCopies(limit=10**9)):
-        feature, root = inputs[0]
-        beyond = torch.tensor(base.config.vocab_size)  # a token the embedding lacks: its own lookup refuses it
-        assert heads._kernel_draft(feature, beyond, whole, embed, lm_head) is None
-        # an embedding shorter than the draft rows' tokens: the kernel would read past it
-        short = torch.nn.Embedding.from_pretrained(embed.weight[: int(heads.draft_token_ids.max())])
-        assert heads._kernel_draft(feature, root.clamp(max=short.num_embeddings - 1), whole, short, lm_head) is None
-    assert made == [4, 2]
-    monkeypatch.setattr(CloverHeads, "_kernel_draft", lambda self, *args: None)
-    want = run()
-    assert made == [4, 2]
-    for (tokens, probs), (want_tokens, want_probs) in zip(got, want):
-        assert tokens.shape == (whole.num_nodes - 1,) or tokens.shape == (shallow.num_nodes - 1,)
-        assert torch.equal(tokens, want_tokens) and torch.equal(probs, want_probs)
-        assert set(tokens.tolist()) <= set(heads.draft_token_ids.tolist())
-
-
-@pytest.mark.parametrize("isa", BUILDS)
 def test_the_kernels_take_the_tiled_copies_at_a_verify_forwards_row_counts_whatever_form_those_settled_on(isa, built,
                                                                                                         monkeypatch):
     """A row count up to PACK_ROWS that settled on another form (F.linear timed a little faster product by product, or
-    by chance) still has its kernel calls: the heads' draft in one call, bitwise as where every row count is tiled, and
-    the decoder layers' tiled weights. Past PACK_ROWS (a prefill) the row count's own form stands."""
-    from clover_hf.cpu.linears import LINEAR, PACK_ROWS, kernel_weights, layer_weights
+    by chance) still has its kernel calls: the decoder layers' tiled weights. Past PACK_ROWS (a prefill) the row
+    count's own form stands."""
+    from clover_hf.cpu.binding import kernel_weights, layer_weights
+    from clover_hf.cpu.linears import LINEAR, PACK_ROWS
     from clover_hf.decode.drafting import static_trees
 
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     base, heads, g = _random_bf16_heads(norms=1.0, draft_vocab_size=64)
     heads.draft_token_ids.copy_(torch.randperm(base.config.vocab_size, generator=g)[:64])
     tree = static_trees(heads.config.tree, "cpu", 0, None)[0]
     gap = 1 << (tree.levels[1].parent_of_expanded.shape[0].bit_length() - 1)  # a row count its second level takes
     assert 1 < gap < 32
-    lm_head, embed = heads.draft_lm_head(base.get_output_embeddings(), int8=True), heads.token_embedding(base)
-    feature, root = torch.randn(base.config.hidden_size, generator=g).to(torch.bfloat16), torch.tensor(5)
     tiled = {1 << k: TILED for k in range(9)}
     gaps = {rows: form for rows, form in tiled.items() if rows not in (gap, 32)}  # those and 32-63 rows: F.linear
-    drafted = []
     for forms in (tiled, gaps):
         with torch.no_grad(), linear_forms([base, heads], forms, WeightCopies(limit=10**9)):
-            drafted.append(heads._kernel_draft(feature, root, tree, embed, lm_head))
             layer = base.model.layers[0]
             projections = (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
                            layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)
@@ -1052,8 +917,6 @@ def test_the_kernels_take_the_tiled_copies_at_a_verify_forwards_row_counts_whate
             assert (layer_weights(40, *projections) is None) is (forms is gaps)
             assert (kernel_weights(heads.heads[0].fc, 40, [heads.heads[0].fc.out_features]) is None) is (forms is gaps)
             assert layer.mlp.down_proj.forward.form_of(gap) == (LINEAR if forms is gaps else TILED)
-    assert drafted[0] is not None and drafted[1] is not None
-    assert torch.equal(drafted[0][0], drafted[1][0]) and torch.equal(drafted[0][1], drafted[1][1])
 
 
 @pytest.mark.parametrize("isa", BUILDS)
@@ -1071,8 +934,8 @@ def test_verify_forwards_of_a_model_whose_layers_run_in_one_call_skip_its_python
     from clover_hf.base import verify_forward
     from clover_hf.base.cache import new_cache
 
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
-    monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
+    monkeypatch.setattr(lean.VERDICTS, "models", {})
     ran = []
     real = lean._ModelForward.__call__
     monkeypatch.setattr(lean._ModelForward, "__call__", lambda self, *a: (lambda out: ran.append(out is not None) or out)(
@@ -1102,7 +965,7 @@ def test_verify_forwards_of_a_model_whose_layers_run_in_one_call_skip_its_python
 
     got = run()
     # a padded row's one-token mask (bool, as transformers makes it) is not one the kernel takes: the own forward runs
-    assert ran == [True, batch == 1] and list(lean._MODELS_CHECKED.values()) == [True]
+    assert ran == [True, batch == 1] and list(lean.VERDICTS.models.values()) == [True]
     assert settled == [False, True]
     real_forward = verify_forward.model_forward
     monkeypatch.setattr(verify_forward, "model_forward", lambda model: None)
@@ -1116,14 +979,14 @@ def test_verify_forwards_of_a_model_whose_layers_run_in_one_call_skip_its_python
     ran.clear()
     assert all(torch.equal(g, w) for g, w in zip(run(), want)) and ran == [False, False]
     hook.remove()
-    monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
+    monkeypatch.setattr(lean.VERDICTS, "models", {})
     real_norm = lean._norm  # a lean forward that differs: no final norm
     monkeypatch.setattr(lean, "_norm", lambda module, fused: (lambda x: x) if module is model.model.norm else real_norm(
         module, fused))
     ran.clear()
     with pytest.warns(UserWarning, match="does not match"):
         again = run()
-    assert ran == [True, False] and list(lean._MODELS_CHECKED.values()) == [False]  # the own forward's output returned
+    assert ran == [True, False] and list(lean.VERDICTS.models.values()) == [False]  # the own forward's output returned
     assert all(torch.equal(g, w) for g, w in zip(again, want))
 
 
@@ -1137,8 +1000,8 @@ def test_verify_forwards_of_changing_widths_look_each_forms_weights_up_once(isa,
     from clover_hf.base import verify_forward
     from clover_hf.base.cache import new_cache
 
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
-    monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
+    monkeypatch.setattr(lean.VERDICTS, "models", {})
     looked, masked = [], []
     real_weights = lean._WholeLayer.weights
     monkeypatch.setattr(lean._WholeLayer, "weights", lambda self, rows: looked.append(rows) or real_weights(self, rows))
@@ -1189,8 +1052,8 @@ def test_verify_forwards_that_outgrow_the_caches_stores_point_the_kernels_at_the
     from clover_hf.base import verify_forward
     from clover_hf.base.cache import GrowingLayer, new_cache
 
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
-    monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
+    monkeypatch.setattr(lean.VERDICTS, "models", {})
     monkeypatch.setattr(GrowingLayer, "SPARE", 2)
     model = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
     ids = torch.randint(0, 256, (1, 40))
@@ -1232,8 +1095,8 @@ def test_the_layers_in_one_call_point_at_their_cache_again_after_a_layer_by_itse
     from clover_hf.base import verify_forward
     from clover_hf.base.cache import new_cache
 
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
-    monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
+    monkeypatch.setattr(lean.VERDICTS, "models", {})
     model = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
     ids, other_ids = torch.randint(0, 256, (1, 9)), torch.randint(0, 256, (1, 9))
     stack = lean._Stack.__call__
@@ -1270,8 +1133,8 @@ def test_the_keys_laid_out_beside_the_cache_are_laid_out_again_where_they_change
     from clover_hf.base import verify_forward
     from clover_hf.base.cache import GrowingLayer, compact_cache, new_cache
 
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
-    monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
+    monkeypatch.setattr(lean.VERDICTS, "models", {})
     monkeypatch.setattr(GrowingLayer, "SPARE", 2)
     model = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
     ids = torch.randint(0, 256, (1, 200))
@@ -1372,7 +1235,7 @@ def test_the_lm_heads_screen_chooses_the_argmax_of_the_tiled_products_logits(isa
     wins), differ by one last bit of one weight (logits a bf16 rounding apart) or by about what the int8 copy rounds
     (a bound short of that rounding chose wrongly). Of SmolLM2's width and 1,024 rows, it computes a few columns a
     row exactly."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     torch.manual_seed(rows)
     for screen, whole, x in _screen_cases(rows, ((64, 32), (256, 96), (1024, 576))):
         assert torch.equal(screen(x), whole(x).float().argmax(-1))
@@ -1390,7 +1253,7 @@ def test_the_lm_heads_screen_takes_every_column_of_the_top_k(isa, rows, built, m
     included), and gives those columns' logits as the tiled product rounds them: over the argmax test's weights (exact
     ties, last-bit differences, rows the int8 copy barely tells apart) and scales, with and without a bias. A bound
     short of the weights' rounding misses columns of this test. Where more columns would be taken than `room`, none."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     torch.manual_seed(rows)
     for screen, whole, x in _screen_cases(rows, ((64, 32), (1024, 576))):
         logits = whole(x).float()
@@ -1408,7 +1271,7 @@ def test_the_lm_heads_screen_takes_every_column_of_the_top_k(isa, rows, built, m
 def test_the_screen_declines_what_it_cannot_bound(isa, built, monkeypatch):
     """No screen of a weight with a value not finite or of a shape the tiled product does not take; rows not finite
     are not chosen for (None), nor are rows of another size or dtype."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     weight = torch.randn(64, 32).bfloat16()
     assert bf16_kernel.Screen.of(weight[:48], None) is None
     assert bf16_kernel.Screen.of(weight.float(), None) is None
@@ -1427,9 +1290,9 @@ def test_the_screen_declines_what_it_cannot_bound(isa, built, monkeypatch):
 def test_an_lm_heads_screen_is_kept_while_its_weight_and_bias_are_unchanged(isa, built, monkeypatch):
     """The screen of an nn.Linear lm_head is made once and served again, and made anew where its weight changed in
     place or was replaced, or its bias changed: a stale screen would bound the old weights' logits."""
-    from clover_hf.base.lean_layers import lm_head_screen
+    from clover_hf.base.lean_model import lm_head_screen
 
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     lm_head = torch.nn.Linear(32, 64, bias=True).bfloat16()
     x = torch.randn(3, 32).bfloat16()
     assert lm_head_screen(lm_head) is None  # a weight being trained
@@ -1464,8 +1327,8 @@ def _verify_settled(monkeypatch) -> list[bool]:
     real = verify_forward.VerifyForward.__call__
     monkeypatch.setattr(verify_forward.VerifyForward, "__call__",
                         lambda self, *a: (lambda out: settled.append(self.settled) or out)(real(self, *a)))
-    monkeypatch.setattr(lean, "_MODELS_CHECKED", {})
-    monkeypatch.setattr(lean, "_SCREENS_CHECKED", {})
+    monkeypatch.setattr(lean.VERDICTS, "models", {})
+    monkeypatch.setattr(lean.VERDICTS, "screens", {})
     return settled
 
 
@@ -1522,12 +1385,12 @@ def test_greedy_decoding_reads_the_lm_heads_screen_and_emits_the_same_tokens(arc
     assert torch.equal(run(stopping_criteria=StoppingCriteriaList([Never()])), got) and not screened
 
     # a screen whose first choices in a process differ from the logits' argmax is not used again, with a warning
-    monkeypatch.setattr(lean, "_SCREENS_CHECKED", {})
+    monkeypatch.setattr(lean.VERDICTS, "screens", {})
     monkeypatch.setattr(bf16_kernel.Screen, "__call__", lambda self, x: screened.append(x.shape[0]) or (
         real(self, x) + 1) % 256)
     with pytest.warns(UserWarning, match="differed"):
         assert torch.equal(run(), got)
-    assert len(screened) == 1 and list(lean._SCREENS_CHECKED.values()) == [False]
+    assert len(screened) == 1 and list(lean.VERDICTS.screens.values()) == [False]
 
 
 @needs_kernel
@@ -1572,15 +1435,15 @@ def test_sampling_through_a_top_k_cut_reads_the_lm_heads_screen_and_draws_the_sa
     assert not screened
 
     # a screen whose first columns in a process miss one the cut keeps is not used again, with a warning
-    monkeypatch.setattr(lean, "_SCREENS_CHECKED", {})
+    monkeypatch.setattr(lean.VERDICTS, "screens", {})
     monkeypatch.setattr(bf16_kernel.Screen, "top_k", lambda self, x, k: screened.append(x.shape[0]) or tuple(
         t[..., 1:] for t in real(self, x, k)))
     with pytest.warns(UserWarning, match="differed"):
         assert torch.equal(run(), got)
-    assert len(screened) == 1 and list(lean._SCREENS_CHECKED.values()) == [False]
+    assert len(screened) == 1 and list(lean.VERDICTS.screens.values()) == [False]
 
     # columns whose logits hold a NaN leave nothing to sample from: an error, not a draw from the whole logits
-    monkeypatch.setattr(lean, "_SCREENS_CHECKED", {})
+    monkeypatch.setattr(lean.VERDICTS, "screens", {})
     monkeypatch.setattr(bf16_kernel.Screen, "top_k", real)
     monkeypatch.setattr(decoding, "sample_columns", lambda *args: None)
     with pytest.raises(RuntimeError, match="NaN"):
@@ -1623,7 +1486,7 @@ def test_the_screens_int8_copy_and_norms_bound_what_they_claim(isa, built, monke
     within 1e-4 of half a step), scale its largest magnitude / 127, and the norms of w - scale q and of w no smaller
     than float64's (nor more than a float32 step over), for input sizes with and without a remainder past blocks of 8;
     a weight not finite in that remainder declines too."""
-    monkeypatch.setattr(bf16_kernel, "_library", built(isa))
+    monkeypatch.setattr(KERNEL, "lib", built(isa))
     torch.manual_seed(0)
     for in_features in (576, 10, 6):
         weight = (torch.randn(64, in_features) * torch.logspace(-3, 1, 64)[:, None]).bfloat16()

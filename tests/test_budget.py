@@ -14,23 +14,10 @@ import torch
 from clover_hf import CloverForCausalLM, CostModel, DraftBudget
 from clover_hf.core.hardware import native_bf16_cpu
 from clover_hf.cpu.dtype import default_dtype
-from clover_hf.decode.budget import (
-    CATCH_UP_STEPS,
-    COSTS_FILE,
-    HEAD_BINS,
-    MIN_PAUSE,
-    PAUSE_MARGIN,
-    PROBE_STEPS,
-    AcceptanceModel,
-    HeadsGate,
-    choose_width,
-    laggard_tokens,
-    likeliest,
-    load_costs,
-    path_chances,
-    prune,
-    save_costs,
-)
+from clover_hf.decode.acceptance import HEAD_BINS, AcceptanceModel, path_chances
+from clover_hf.decode.budget import CATCH_UP_STEPS, MIN_PAUSE, PAUSE_MARGIN, PROBE_STEPS, HeadsGate
+from clover_hf.decode.costs import COSTS_FILE, load_costs, save_costs
+from clover_hf.decode.widths import choose_width, laggard_tokens, likeliest, prune
 
 from .tiny import ARCHS, left_padded, patch_kernel, prompt, same, tiny_model
 
@@ -545,7 +532,7 @@ def test_weight_copies_setting_is_checked_and_keys_the_costs():
 def test_first_steps_stop_learning_wider_widths_once_one_costs_three_one_token_steps():
     import time
 
-    from clover_hf.decode.budget import AcceptanceModel
+    from clover_hf.decode.acceptance import AcceptanceModel
     from clover_hf.decode.choosing import EXPLORE_LIMIT, StepBudget
 
     budget = DraftBudget(cache_dir="unused")  # nothing is saved here
@@ -569,7 +556,8 @@ def test_widths_timed_while_the_forms_were_learnt_are_timed_again_once_steps_run
     products; a provisional step leaves a settled cost alone."""
     import time
 
-    from clover_hf.decode.budget import MAX_DOUBT, AcceptanceModel
+    from clover_hf.decode.acceptance import AcceptanceModel
+    from clover_hf.decode.costs import MAX_DOUBT
     from clover_hf.decode.choosing import EXPLORE_LIMIT, StepBudget
 
     budget = DraftBudget(cache_dir="unused")
@@ -600,7 +588,7 @@ def test_a_step_verifies_the_width_the_form_trials_learn_at_most_learn_steps_a_c
     """`StepBudget.learn` puts the form trials' width first among those explored (whatever its cost), unless
     steps verify one token for now (`cap`), at most LEARN_STEPS steps a call: forms that never settle must not
     hold a call's steps at that width."""
-    from clover_hf.decode.budget import AcceptanceModel
+    from clover_hf.decode.acceptance import AcceptanceModel
     from clover_hf.decode.choosing import LEARN_STEPS, StepBudget
 
     step = StepBudget(DraftBudget(cache_dir="unused"), "k", CostModel({1: {1: 1.0, 4: 500.0}}), AcceptanceModel(3, 4),
@@ -726,7 +714,7 @@ def test_the_heads_gate_judges_afresh_once_the_linear_forms_settle():
 def test_a_first_timing_of_a_width_counts_at_most_twice_what_narrower_widths_predict():
     """One stalled step timed as a width's first cost must not price it out: it counts at most OUTLIER times the
     narrower widths' prediction (proportional past the widest); with nothing narrower timed it stands as timed."""
-    from clover_hf.decode.budget import OUTLIER
+    from clover_hf.decode.costs import OUTLIER
 
     costs = CostModel()
     costs.record(1, 1, 10.0)
@@ -760,3 +748,35 @@ def test_forms_whose_verify_costs_exceed_a_wider_row_count_in_the_copy_form_swit
                  CostModel({1: dict(curve)}, forms={**forms, 1: "native", 8: "linear", 16: "linear"})):
         before = (dict(kept.forms), {r: dict(c) for r, c in kept.ms.items()})
         assert kept.correct_inverted_forms() == [] and (kept.forms, kept.ms) == before
+
+
+def test_heads_gate_stops_heads_that_cost_more_than_their_deepest_draft_could_save():
+    """A drafting step dearer than the one-token steps its deepest draft would save, were all of it accepted, pauses
+    the heads at once for as long as a pause lasts; cheaper drafting is judged as before; a restart forgets it."""
+    from clover_hf.decode.budget import MAX_PAUSE
+
+    gate = HeadsGate()
+    gate.beyond_gain(draft_ms=7.0, steps_saved=4, step_ms=2.0)  # could save 8 ms: judged over steps as before
+    assert not gate.hopeless and gate.drafting()
+    gate.beyond_gain(draft_ms=9.0, steps_saved=4, step_ms=2.0)
+    assert gate.hopeless and gate.pause == gate.next_pause == MAX_PAUSE and not gate.drafting()
+    gate.restart()
+    assert not gate.hopeless and gate.drafting()
+
+
+def test_a_first_call_stops_drafting_with_heads_that_can_never_pay(tmp_path):
+    """Heads whose drafting takes longer than the steps it could ever save (untrained heads drafting from a large
+    vocabulary, here made slow) draft only a few times in a first call, which learns its costs from its own steps:
+    neither the gate's judging nor the widths it explores keep them drafting (without the bound they drafted on 16
+    of 36 steps here). Output stays as plain decoding's in float32 (tested throughout): bf16 here, where no form
+    trials hold a first call to one-token steps."""
+    import time
+
+    base = tiny_model("llama", dtype=torch.bfloat16)
+    ids = prompt(3)
+    clover = CloverForCausalLM.from_base(base, lookup_tokens=0)
+    draft = clover.clover_heads.draft
+    clover.clover_heads.draft = lambda *args, **kwargs: time.sleep(0.25) or draft(*args, **kwargs)
+    budget = DraftBudget(cache_dir=tmp_path)
+    clover.generate(ids, max_new_tokens=40, do_sample=False, budget=budget)
+    assert clover.generation_stats.head_drafts <= 4

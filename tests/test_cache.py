@@ -56,6 +56,7 @@ def test_select_slots_gathers_per_row():
 
 def test_compact_cache_moves_only_what_is_out_of_place(monkeypatch):
     import clover_hf.base.cache as cache_module
+    from clover_hf.cpu.kernel_library import KERNEL
 
     assert cache_module._in_place(torch.tensor([[0, 1, 4]])) == 2
     assert cache_module._in_place(torch.tensor([[0, 2, 3], [0, 4, 0]])) == 1  # every row must agree
@@ -63,7 +64,7 @@ def test_compact_cache_moves_only_what_is_out_of_place(monkeypatch):
     moved = []
     gather = cache_module._gather_slots
     monkeypatch.setattr(cache_module, "_gather_slots", lambda t, index: moved.append(index.tolist()) or gather(t, index))
-    monkeypatch.setattr(cache_module.bf16_kernel, "_library", None)  # torch's moves (the kernel's: tested below)
+    monkeypatch.setattr(KERNEL, "lib", None)  # torch's moves (the kernel's: tested below)
     # the root and the first drafted node stay at offsets 0 and 1; only offset 4 moves, to offset 2
     cache = _cache(batch=1, length=9)
     compact_cache(cache, 4, torch.tensor([[0, 1, 4]]))
@@ -199,11 +200,12 @@ def test_compaction_in_the_kernel_moves_what_torch_moves(monkeypatch):
     gathers put there (a padded slot, masked out, may hold another), for rows that keep different nodes, float32 and
     bf16, growing and concatenated layers; and never where it is not loaded."""
     from clover_hf.cpu import kernel as bf16_kernel
+    from clover_hf.cpu.kernel_library import KERNEL, _compiler
 
-    if not bf16_kernel.cpu_supports() or bf16_kernel._compiler() is None or not bf16_kernel.available():
+    if not bf16_kernel.cpu_supports() or _compiler() is None or not bf16_kernel.available():
         pytest.skip("no kernel on this CPU")
     moved = []
-    real, library = bf16_kernel.SlotMover.__call__, bf16_kernel._library
+    real, library = bf16_kernel.SlotMover.__call__, KERNEL.lib
 
     def move(mover, *args):
         moved.append(real(mover, *args))
@@ -215,7 +217,7 @@ def test_compaction_in_the_kernel_moves_what_torch_moves(monkeypatch):
         for kind in (DynamicCache, new_cache):
             caches = {}
             for loaded in (True, False):
-                monkeypatch.setattr(bf16_kernel, "_library", library if loaded else None)
+                monkeypatch.setattr(KERNEL, "lib", library if loaded else None)
                 cache = caches[loaded] = _cache(batch=2, length=12, kind=kind)
                 for layer in cache.layers:
                     layer.keys, layer.values = layer.keys.to(dtype), layer.values.to(dtype)
@@ -235,8 +237,9 @@ def test_compaction_keeps_the_kernels_pointers_while_the_stores_hold_and_reads_t
     they grow (new tensors) or a caller replaces a layer's keys, a new one reads the new tensors' addresses, and the
     kept slots hold what they should (moves through the old pointers would have written the old stores)."""
     from clover_hf.cpu import kernel as bf16_kernel
+    from clover_hf.cpu.kernel_library import _compiler
 
-    if not bf16_kernel.cpu_supports() or bf16_kernel._compiler() is None or not bf16_kernel.available():
+    if not bf16_kernel.cpu_supports() or _compiler() is None or not bf16_kernel.available():
         pytest.skip("no kernel on this CPU")
     made = []
     real = bf16_kernel.SlotMover.of.__func__

@@ -4,11 +4,15 @@ learned through the real decoding loop."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 
 from clover_hf import CloverForCausalLM
-from clover_hf.heads.modules import CloverHeads
+from clover_hf.heads.clover import CloverHeads
+from clover_hf.heads.rope import RotaryTable, rope_tables
 from clover_hf.heads.tree import build_tree
 from clover_hf.training.features import Example, FeatureSet, cache_features
 from clover_hf.training.trainer import TrainConfig, Trainer
@@ -187,3 +191,54 @@ def test_fresh_heads_say_when_nothing_of_the_base_fits_the_augmenting_block():
     gpt2 = tiny_model("gpt2")  # its blocks name their weights c_attn, c_fc, ...: nothing to copy
     with pytest.warns(UserWarning, match="starts from random weights"):
         CloverForCausalLM.from_base(gpt2)
+
+
+def test_rope_tables_read_from_the_position_table_are_bitwise_the_computed_ones():
+    """Without gradients on the CPU the heads' cos and sin come from a table of positions, grown as longer texts
+    need: bitwise what computing them for the positions gives (a row of positions in order read as a view of it,
+    others gathered)."""
+    table = RotaryTable(64, 10000.0)
+    for positions in (torch.tensor([[0, 1, 2]]), torch.tensor([[9]]), torch.tensor([[4, 3, 7]]),
+                      torch.tensor([[5, 9], [700, 701]]), torch.arange(3000)[None]):
+        for dtype in (torch.bfloat16, torch.float32):
+            with torch.no_grad():
+                read = table(positions, dtype)
+            computed = rope_tables(positions, 64, 10000.0, dtype)
+            assert all(torch.equal(a, b) for a, b in zip(read, computed))
+
+
+def test_bf16_heads_draft_a_static_trees_tokens_from_int8_rows_of_the_draft_vocabulary():
+    """Drafting in bf16 with the heads' products in the kernel's tiled form where it is built (the Augmenting Block's
+    layers then one kernel call each, the rest the kernel's primitive ops): the features of positions fed a few at a
+    time, after which the heads can still be copied and pickled; then, from int8 draft rows, a static tree's tokens,
+    each of the draft vocabulary, one per node, for the whole tree and one cut shallower."""
+    from clover_hf import cpu
+    from clover_hf.cpu.binding import linear_forms
+    from clover_hf.cpu.linears import TILED, WeightCopies
+    from clover_hf.decode.drafting import static_trees
+
+    base = tiny_model("llama", dtype=torch.bfloat16, head_dim=32)
+    model, g = random_heads(base, seed=0, draft_vocab_size=64)
+    heads = model.clover_heads.to(torch.bfloat16)
+    heads.draft_token_ids.copy_(torch.randperm(base.config.vocab_size, generator=g)[:64])
+    T, H = 14, base.config.hidden_size
+    hidden, embeds = (torch.randn(1, T, H, generator=g).to(torch.bfloat16) for _ in range(2))
+    positions = torch.arange(T)[None]
+    forms = {1 << k: TILED for k in range(5)} if cpu.available() else {}
+    with torch.no_grad(), linear_forms([heads], forms, WeightCopies(limit=10**9)):
+        cache, start = None, 0
+        for size in (9, 1, 4):
+            features, cache = heads.features(hidden[:, start : start + size], embeds[:, start : start + size],
+                                             positions[:, start : start + size], cache)
+            start += size
+    assert cache.length == T and features.dtype == torch.bfloat16
+    copy.deepcopy(heads)
+    pickle.loads(pickle.dumps(heads))
+    whole, shallow = (static_trees(heads.config.tree, "cpu", 0, depth)[0] for depth in (None, 2))
+    lm_head, embed = heads.draft_lm_head(base.get_output_embeddings(), int8=True), heads.token_embedding(base)
+    with torch.no_grad(), linear_forms([heads], forms, WeightCopies(limit=10**9)):
+        for tree in (whole, shallow):
+            tokens, probs = heads.draft(features[0, -1], torch.tensor(5), tree, embed, lm_head)
+            assert tokens.shape == probs.shape == (tree.num_nodes - 1,)
+            assert set(tokens.tolist()) <= set(heads.draft_token_ids.tolist())
+            assert ((probs > 0) & (probs <= 1)).all()

@@ -61,7 +61,7 @@ def test_oracle_heads_accept_long_paths(arch):
 
 def test_sliding_window_mask_matters():
     """Without the window in the mask, Gemma3's sliding layers would see too much: the test would fail."""
-    from clover_hf.decode import verification
+    from clover_hf.base import forward as verification
 
     base = tiny_model("gemma3_text")
     ids = prompt(3, length=6)
@@ -315,7 +315,7 @@ def test_attention_mask_with_left_padding():
 def test_prefill_of_one_unpadded_prompt_builds_no_prompt_by_prompt_mask(arch, monkeypatch):
     """A long prompt's (P, P) mask would take gigabytes: one unpadded row without sliding layers is
     prefilled through the base's own causal mask, as in plain `generate`, and stays exact."""
-    import clover_hf.decode.verification as verification
+    import clover_hf.base.forward as verification
 
     widths = []
     build = verification.additive_mask
@@ -396,7 +396,7 @@ def test_tree_attention_leaves_out_cudnn_on_cuda_only():
     on CUDA run with cuDNN attention off. The flags are global, so this runs without a GPU."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from clover_hf.decode.loop import tree_attention_backends
+    from clover_hf.decode.call import tree_attention_backends
 
     cuda = torch.device("cuda")
     every = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from clover_hf import CloverForCausalLM
-from clover_hf.heads.modules import DraftLMHead
+from clover_hf.heads.lm_head import DraftLMHead
 
 from .tiny import prompt, same, tiny_model
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+import clover_hf.cpu.binding as binding
 import clover_hf.cpu.form_trials as form_trials
-import clover_hf.cpu.linears as linears
 from clover_hf import CloverForCausalLM, DraftBudget
 from clover_hf.cpu.form_trials import COVERAGE, SAMPLES, FormTrials, row_bucket
-from clover_hf.cpu.linears import COPIES, LINEAR, NATIVE, PACK_ROWS, TRANSPOSED, WeightCopies, linear_forms
-from clover_hf.decode.budget import CostModel, load_costs
+from clover_hf.cpu.binding import linear_forms
+from clover_hf.cpu.linears import WeightCopies
+from clover_hf.cpu.products import COPIES, LINEAR, NATIVE, PACK_ROWS, TRANSPOSED
+from clover_hf.decode.costs import CostModel, load_costs
 
 from .tiny import CrossAttentionProjections, prompt, same, tiny_model
 
@@ -60,9 +62,9 @@ def forward_rows(model, rows: int) -> None:
 def test_a_first_call_learns_the_forms_from_its_own_products_and_stays_exact(arch, monkeypatch, tmp_path):
     """No stored forms: the call times no form apart (faster_forms is not run), its greedy output equals the base's
     in float32 over several calls, and what the products taught is stored with the row counts still pending."""
-    from clover_hf.decode import loop as decoding
+    import clover_hf.cpu
 
-    monkeypatch.setattr(decoding, "faster_forms", lambda *a, **k: pytest.fail("forms timed apart"))
+    monkeypatch.setattr(clover_hf.cpu, "faster_forms", lambda *a, **k: pytest.fail("forms timed apart"))
     base = tiny_model(arch)
     clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
     budget = DraftBudget(cache_dir=tmp_path)
@@ -195,7 +197,7 @@ def test_the_width_to_learn_is_the_narrowest_verify_row_count_pending_while_the_
 def load_costs_all(cache_dir) -> dict[str, CostModel]:
     import json
 
-    from clover_hf.decode.budget import COSTS_FILE
+    from clover_hf.decode.costs import COSTS_FILE
 
     data = json.loads((cache_dir / COSTS_FILE).read_text())
     return {k: load_costs(k, cache_dir) for k in data}
@@ -274,8 +276,8 @@ def test_a_prefill_learns_its_row_count_once_the_verify_forms_are_ready(monkeypa
     assert trials.forms[row_bucket(prefill)] == TRANSPOSED
     done.clear()
     bound = []
-    real = linears.form_product
-    monkeypatch.setattr(linears, "form_product", lambda form, *a, **k: bound.append(form) or real(form, *a, **k))
+    real = binding.form_product
+    monkeypatch.setattr(binding, "form_product", lambda form, *a, **k: bound.append(form) or real(form, *a, **k))
     trials.next_call()
     with linear_forms([model], trials.forms, None, trials):
         forward_rows(model, prefill)
@@ -390,7 +392,7 @@ def copy_form_timed(done: list[tuple[int, str]], trials: FormTrials) -> int:
 
 
 def test_stored_forms_and_pending_row_counts_survive_the_cache_file(tmp_path):
-    from clover_hf.decode.budget import save_costs
+    from clover_hf.decode.costs import save_costs
 
     save_costs("m", CostModel({1: {1: 5.0}}, forms={1: "native", 4: "packed"}, pending=[32, 64],
                               fallbacks={1: "native", 4: "transposed"}, provisional={(1, 4), (4, 2)}), tmp_path)
@@ -429,7 +431,7 @@ def test_a_verify_row_count_still_to_learn_is_verified_though_its_widths_were_ti
     being timed. A call that may learn verifies the narrowest pending row count (`StepBudget.learn`) until it
     settles. Costs stored as timed provisionally are timed again once a step runs settled at as many tokens or
     more, in a later call too. Greedy output stays the base's."""
-    from clover_hf.decode.budget import save_costs
+    from clover_hf.decode.costs import save_costs
 
     base = tiny_model("llama")
     clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
@@ -514,7 +516,7 @@ def test_trials_are_ready_once_verify_row_counts_settled_and_their_copies_are_ma
 
 def test_a_new_process_makes_the_stored_forms_copies_as_its_calls_get_ahead_of_plain(monkeypatch, tmp_path):
     """Forms stored by an earlier process that compute from weight copies: a new process makes none as its first
-    call begins (SmolLM2's took 110 ms, half a short call), but as its calls get ahead of plain `generate`; its
+    call begins (they take a good share of a short call), but as its calls get ahead of plain `generate`; its
     steps verify one token until they are made. Greedy output stays the base's throughout."""
     base, clover, ids, ref, key = _stored_copy_forms(tmp_path, (2, 4, 8, 16))
     budget = DraftBudget(cache_dir=tmp_path)  # a new process: no copies yet
@@ -536,7 +538,7 @@ def _stored_copy_forms(tmp_path, rows: tuple[int, ...], fallbacks: dict[int, str
     """A tiny llama, its Clover model, a prompt, the base's greedy output, and the key of forms stored as an earlier
     process would, computing from oneDNN's blocked copies at these row counts, with these `fallbacks`."""
     from clover_hf.cpu.linears import PACKED, onednn_packs
-    from clover_hf.decode.budget import save_costs
+    from clover_hf.decode.costs import save_costs
 
     if not onednn_packs():
         pytest.skip("this torch build has no oneDNN: no blocked copies")
@@ -678,8 +680,8 @@ def test_a_group_seen_taking_other_inputs_gets_its_own_copies_while_trials_live(
         assert torch.allclose(model(x, states), ref, atol=1e-2)
     assert model.q_proj in copies.apart and trials.pending
     bound = []  # each layer's product as the block binds it: (form, from a copy)
-    real = linears.form_product
-    monkeypatch.setattr(linears, "form_product", lambda form, weight, bias, copy=None: bound.append(
+    real = binding.form_product
+    monkeypatch.setattr(binding, "form_product", lambda form, weight, bias, copy=None: bound.append(
         (form, copy is not None)) or real(form, weight, bias, copy))
     trials.next_call()
     with linear_forms([model], trials.forms, copies, trials):
@@ -693,7 +695,7 @@ def test_layers_no_call_ran_get_their_copies_once_the_trials_are_ready(monkeypat
     """A process's first call of one-token steps (`budget="one-token"`, as the benchmark and the demo run first) runs
     the base alone: its copies are made and the trials are ready. The heads' layers, which no call ran, get theirs as
     the next call's `linear_forms` begins, as they do without trials. Before, they computed without copies for the
-    life of the process, and the bf16 kernel's drafting with them (1.9 against 0.65 ms a draft, AVX-512-bf16 EPYC)."""
+    life of the process, and the bf16 kernel's drafting with them, several times slower a draft."""
     from clover_hf.cpu.linears import PACKED, onednn_packs
 
     if not onednn_packs():

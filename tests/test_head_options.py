@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from clover_hf import CloverConfig, CloverForCausalLM
-from clover_hf.heads.modules import CloverHeads, LinearOutputHeads, MedusaHeads
+from clover_hf.heads.clover import CloverHeads
+from clover_hf.heads.decoder import LinearOutputHeads
+from clover_hf.heads.medusa import MedusaHeads
 from clover_hf.heads.tree import build_tree
 from clover_hf.hub.card import render_model_card
 from clover_hf.training.features import Example, FeatureSet, cache_features

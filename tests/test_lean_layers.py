@@ -7,8 +7,9 @@ import contextlib
 import pytest
 import torch
 
+import clover_hf.backends.torch_backend as torch_backend
 import clover_hf.base.lean_layers as lean_module
-import clover_hf.decode.loop as decoding
+import clover_hf.base.lean_model as lean_model
 from clover_hf.base.cache import new_cache
 from clover_hf.base.lean_layers import lean_layers, lean_reason
 from clover_hf.base.parts import decoder_layers
@@ -96,7 +97,7 @@ def test_layers_with_hooks_or_in_training_keep_their_own_forward():
 
 def test_a_lean_forward_that_does_not_match_is_not_used(monkeypatch):
     model = tiny_model("llama")
-    monkeypatch.setattr(lean_module, "_checked", {})
+    monkeypatch.setattr(lean_module.VERDICTS, "layers", {})
     real = lean_module.lean_forward
     monkeypatch.setattr(lean_module, "lean_forward",
                         lambda layer, pack, masks: (lambda *a, **k: real(layer, pack, masks)(*a, **k) * 2))
@@ -120,7 +121,7 @@ def test_decoding_runs_the_layers_lean_and_matches_the_base(monkeypatch):
             counts.append(count)
             yield count
 
-    monkeypatch.setattr(decoding, "lean_layers", counted)
+    monkeypatch.setattr(torch_backend, "lean_layers", counted)
     model = oracle_model(base, reference)
     out = model.generate(ids, max_new_tokens=40, do_sample=False)
     assert same(out, reference) and model.generation_stats.tokens_per_step > 2
@@ -196,18 +197,18 @@ def test_rotary_embeddings_from_a_table_are_bitwise_the_modules_own(model_type, 
             start = int(torch.randint(0, 700, (1,), generator=generator))
             for positions in (torch.arange(start, start + width).expand(2, -1),
                               start + torch.randint(0, 4, (2, width), generator=generator).sort(-1).values):
-                got, want = lean_module.rotary_embeddings(rotary, x, positions), rotary(x, position_ids=positions)
+                got, want = lean_model.rotary_embeddings(rotary, x, positions), rotary(x, position_ids=positions)
                 assert all(g.shape == w.shape and torch.equal(g, w) for g, w in zip(got, want))
-    assert lean_module._ROTARY_TABLES[rotary].cos.shape[0] >= 700  # grown past the first table's 256 positions
-    far = torch.arange(lean_module.ROTARY_TABLE_MOST, lean_module.ROTARY_TABLE_MOST + 3)[None]
+    assert lean_model.TABLES.rotary[rotary].cos.shape[0] >= 700  # grown past the first table's 256 positions
+    far = torch.arange(lean_model.ROTARY_TABLE_MOST, lean_model.ROTARY_TABLE_MOST + 3)[None]
     with torch.inference_mode():  # past the most a table holds: the module's own call, the table left as it was
-        got, want = lean_module.rotary_embeddings(rotary, x[:1], far), rotary(x[:1], position_ids=far)
+        got, want = lean_model.rotary_embeddings(rotary, x[:1], far), rotary(x[:1], position_ids=far)
     assert all(torch.equal(g, w) for g, w in zip(got, want))
-    assert lean_module._ROTARY_TABLES[rotary].cos.shape[0] < lean_module.ROTARY_TABLE_MOST
+    assert lean_model.TABLES.rotary[rotary].cos.shape[0] < lean_model.ROTARY_TABLE_MOST
 
     dynamic = tiny_model("llama", dtype=dtype, rope_scaling={"rope_type": "dynamic", "factor": 2.0}).get_decoder()
     called = []
     dynamic.rotary_emb.register_forward_hook(lambda *args: called.append(1))
     with torch.inference_mode():
-        lean_module.rotary_embeddings(dynamic.rotary_emb, x, torch.arange(3)[None])
-    assert called == [1] and dynamic.rotary_emb not in lean_module._ROTARY_TABLES
+        lean_model.rotary_embeddings(dynamic.rotary_emb, x, torch.arange(3)[None])
+    assert called == [1] and dynamic.rotary_emb not in lean_model.TABLES.rotary

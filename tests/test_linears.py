@@ -7,26 +7,28 @@ import torch
 import torch.nn.functional as F
 
 from clover_hf import CloverForCausalLM, CostModel
+from clover_hf.cpu.binding import BoundLinear, linear_forms
+from clover_hf.cpu.layers import shared_input_groups
 from clover_hf.cpu.linears import (
-    COPIES,
-    FORMS,
-    MAX_ROWS,
-    PAD_ROWS,
     VERIFY_ROWS,
-    WITHOUT_COPY,
     WeightCopies,
     copies_nbytes,
     copy_forms_for,
     faster_forms,
+    make_copy,
+    onednn_serves,
+)
+from clover_hf.cpu.products import (
+    COPIES,
+    FORMS,
+    MAX_ROWS,
+    PAD_ROWS,
+    WITHOUT_COPY,
     fbgemm_packs,
     float16_exact,
     form_for,
     form_linear,
-    linear_forms,
-    make_copy,
     onednn_packs,
-    onednn_serves,
-    shared_input_groups,
     transposed_linear,
 )
 
@@ -116,11 +118,11 @@ def test_linear_forms_apply_to_listed_row_counts_and_are_undone():
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_greedy_stays_exact_with_transposed_linears_in_every_verify(arch, monkeypatch):
-    import clover_hf.cpu.linears as linears
+    import clover_hf.cpu.products as products
 
     used, native = [], []
-    monkeypatch.setattr(linears, "transposed_linear", lambda x, *args: used.append(x.shape) or transposed_linear(x, *args))
-    monkeypatch.setattr(linears, "native_linear", lambda x, *args: native.append(x.shape) or F.linear(x, *args))
+    monkeypatch.setattr(products, "transposed_linear", lambda x, *args: used.append(x.shape) or transposed_linear(x, *args))
+    monkeypatch.setattr(products, "native_linear", lambda x, *args: native.append(x.shape) or F.linear(x, *args))
     base = tiny_model(arch)
     ids = prompt(4)
     ref = base.generate(ids, max_new_tokens=30, do_sample=False)
@@ -420,8 +422,8 @@ def test_a_weight_copy_chosen_at_one_verify_row_count_alone_is_not_kept(monkeypa
 
 def test_kept_copies_serve_every_verify_row_count_they_were_timed_faster_at(monkeypatch):
     """Copies kept for some row counts cost no more memory at others: a count where they were faster, but
-    short of COPY_GAIN against the best form without one, takes them too (on the AVX-512-bf16 EPYC, W @ x.T
-    kept at 16 rows made 16-token verify forwards twice as dear); one row's choice stands."""
+    short of COPY_GAIN against the best form without one, takes them too (W @ x.T kept at 16 rows had made
+    16-token verify forwards far dearer); one row's choice stands."""
     import clover_hf.cpu.linears as linears
 
     monkeypatch.setattr(linears, "onednn_packs", lambda: True)
@@ -458,7 +460,7 @@ def test_float16_copies_are_not_tried_where_float16_holds_few_weights(monkeypatc
 
 
 def test_each_layers_copy_is_looked_up_once_per_block(monkeypatch):
-    """Checking a copy against its weight at every product cost ~10 us; the block does it once per layer."""
+    """Checking a copy against its weight at every product costs a share of it; the block does it once per layer."""
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 8))
     copies = WeightCopies(limit=1 << 20)
     looked_up = []
@@ -558,10 +560,11 @@ def test_layers_that_take_one_input_are_grouped_by_their_names():
 def test_stacked_products_compute_each_layer_and_count_one_copy(arch, monkeypatch):
     """With a weight copy chosen, each group of layers that take one input is one product from one copy of
     the stacked weights; the forward's output is F.linear's, and the members keep no copies of their own."""
-    import clover_hf.cpu.linears as linears
+    import clover_hf.cpu.products as forms_module
 
     products = []
-    monkeypatch.setattr(linears, "transposed_linear", lambda x, w, b: products.append(w.shape) or transposed_linear(x, w, b))
+    monkeypatch.setattr(forms_module, "transposed_linear",
+                        lambda x, w, b: products.append(w.shape) or transposed_linear(x, w, b))
     model = tiny_model(arch)
     ids = prompt(9)
     ref = model(ids).logits
@@ -640,30 +643,32 @@ def test_a_member_called_before_its_groups_first_layer_computes_alone_and_keeps_
 def test_a_block_memo_keeps_what_holds_all_block_once_per_form_and_forgets_it_when_another_block_binds():
     """Weights looked up for a row count are kept while the same forwards are bound, for the row counts up to their
     `steady_rows`, once per form (row counts of one form share the lookup); past them, and for nothing found, looked
-    up every time; another block's forwards start afresh."""
-    from clover_hf.cpu.linears import BlockMemo
+    up every time; another block's forwards start afresh, and a forward outside a block keeps nothing."""
+    from clover_hf.cpu.binding import BlockMemo
+    from clover_hf.cpu.products import PACK_ROWS
 
-    def forward():
-        pass
-
-    forward.steady_rows = 4
-    forward.form_of = lambda rows: {1: "a", 2: "b", 3: "c", 4: "b"}.get(rows, "d")
+    layer = torch.nn.Linear(4, 4)
+    forms = {1: "transposed", 2: "float32", 4: "float32", 8: "float32_transposed"}
     looked = []
     memo = BlockMemo()
 
     def look(rows):
         looked.append(rows)
-        return None if rows == 3 else [rows]
+        return None if rows == 1 else [rows]
 
-    assert memo.get(forward, 2, look) == [2] and memo.get(forward, 2, look) == [2]
-    assert memo.get(forward, 4, look) == [2]  # the form of 2 rows: its lookup stands
-    assert memo.get(forward, 1, look) == [1] and memo.get(forward, 1, look) == [1]
-    assert memo.get(forward, 3, look) is None and memo.get(forward, 3, look) is None
-    assert memo.get(forward, 8, look) == [8] and memo.get(forward, 8, look) == [8]
-    assert looked == [2, 1, 3, 3, 8, 8]
-
-    def other():
-        pass
-
-    assert memo.get(other, 2, look) == [2] and memo.get(other, 2, look) == [2]  # no steady_rows: none kept
-    assert looked == [2, 1, 3, 3, 8, 8, 2, 2]
+    with linear_forms([layer], forms):
+        forward = layer.forward
+        assert isinstance(forward, BoundLinear) and forward.steady_rows == PACK_ROWS
+        assert [forward.form_of(n) for n in (1, 3, 4, 8, 16)] == ["transposed", "float32", "float32",
+                                                                   "float32_transposed", "linear"]
+        assert memo.get(forward, 2, look) == [2] and memo.get(forward, 2, look) == [2]
+        assert memo.get(forward, 4, look) == [2] and memo.get(forward, 3, look) == [2]  # the form of 2 rows
+        assert memo.get(forward, 8, look) == [8] and memo.get(forward, 8, look) == [8]
+        assert memo.get(forward, 1, look) is None and memo.get(forward, 1, look) is None  # nothing found
+        assert memo.get(forward, 4 * PACK_ROWS, look) == [64] and memo.get(forward, 64, look) == [64]  # past steady
+        assert looked == [2, 8, 1, 1, 64, 64]
+    with linear_forms([layer], forms):
+        assert memo.get(layer.forward, 2, look) == [2] and memo.get(layer.forward, 2, look) == [2]  # another block
+    assert looked == [2, 8, 1, 1, 64, 64, 2]
+    assert memo.get(layer.forward, 2, look) == [2] and memo.get(layer.forward, 2, look) == [2]  # no block: none kept
+    assert looked == [2, 8, 1, 1, 64, 64, 2, 2, 2]

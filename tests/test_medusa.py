@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from clover_hf import CloverConfig, CloverForCausalLM
-from clover_hf.heads.modules import MedusaHeads
+from clover_hf.heads.medusa import MedusaHeads
 from clover_hf.heads.tree import build_tree
 from clover_hf.tools.bench import run_benchmark
 from clover_hf.tools.cli import main as cli_main

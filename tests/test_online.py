@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from clover_hf import CloverForCausalLM
-from clover_hf.heads.modules import document_ids
+from clover_hf.heads.base import document_ids
 from clover_hf.tools.cli import main as cli_main
 from clover_hf.training.features import Example, base_targets, tokenize_records
 from clover_hf.training.packing import PackedRows

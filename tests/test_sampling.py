@@ -18,7 +18,7 @@ from transformers import (
 
 from clover_hf import CloverForCausalLM, CostModel
 from clover_hf.cpu import kernel as bf16_kernel
-from clover_hf.decode import loop as decoding
+from clover_hf.decode import steps as decoding
 from clover_hf.decode import verification
 from clover_hf.decode.verification import TopKCut, accept_sampled, process_tree_logits, sample_columns, sample_token
 from clover_hf.heads.tree import StepTree, build_tree

@@ -287,11 +287,11 @@ def test_scores_eos_and_the_streamer_on_a_static_cache(compile):
 def test_a_static_cache_multiplies_in_the_forms_learnt_for_the_machine(monkeypatch, tmp_path):
     """How linear layers multiply is the machine's, whatever the cache: a static call takes the forms the dynamic
     cache's call learnt from its products (none timed apart) and learns verify costs of its own under them."""
-    from clover_hf.decode import loop as decoding
+    import clover_hf.cpu
 
     timed = []
-    real = decoding.faster_forms
-    monkeypatch.setattr(decoding, "faster_forms", lambda *a, **k: timed.append(1) or real(*a, **k))
+    real = clover_hf.cpu.faster_forms
+    monkeypatch.setattr(clover_hf.cpu, "faster_forms", lambda *a, **k: timed.append(1) or real(*a, **k))
     base = tiny_model("llama")
     clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
     ids = prompt(4)

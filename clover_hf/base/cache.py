@@ -42,9 +42,8 @@ class _CutView:
 
 class GrowingLayer(DynamicLayer):
     """A `DynamicLayer` whose keys and values are views of larger tensors (its stores), which new tokens are written
-    into in place: `DynamicLayer` concatenates, copying the whole layer at every forward. SmolLM2's one-token
-    decoding spent 0.33 ms a step in those copies at ~250 keys (AVX-512-bf16 EPYC), and they grow with the context:
-    an update of one token took 6.3 against 35 us a layer at 1,500 keys (10 at 250).
+    into in place: `DynamicLayer` concatenates, copying the whole layer at every forward, a cost that grows with
+    the context and soon outweighs the update itself.
     A store holds a quarter more slots than it needs, at least SPARE; where the keys are no longer a view of it (a
     caller replaced them) or it is full, the next update copies them into a new one. Outside inference mode the
     stores made in it (a decoding call's) are copied first, as inference tensors cannot be written there."""
@@ -97,8 +96,8 @@ class GrowingLayer(DynamicLayer):
 
     def reserve_after(self, length: int, end: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`reserve(end)` where this layer holds `length` slots, else None. Its common case (the length this layer set
-        itself, room left) in a few reads: forwards ask it of every layer, and `reserve`'s calls took ~5 us a layer
-        in situ (SmolLM2's 30 layers, AVX2-only EPYC)."""
+        itself, room left) in a few reads: forwards ask it of every layer, and `reserve`'s calls, once per layer, add
+        up to a visible share of a step."""
         stores = self.stores if self._length == length else None
         if stores is not None and end <= stores[0].shape[-2] and (
                 not self._inference or torch.is_inference_mode_enabled()):
@@ -130,13 +129,13 @@ class GrowingLayer(DynamicLayer):
     @staticmethod
     def hold(layers: list, stores: list[tuple[torch.Tensor, torch.Tensor]], length: int) -> bool:
         """Whether each of `layers` holds `length` slots in the `stores` given for it (as `reserve_after` returned
-        them, which it would again while they have room): a forward's every layer asks, and SmolLM2's 30 layers'
-        `reserve_after` and kernel pointers took ~0.25 ms a verify forward in situ (Zen 4 EPYC)."""
+        them, which it would again while they have room): a forward's every layer asks, and every layer's
+        `reserve_after` and kernel pointers add up to a visible share of a verify forward."""
         return all(layer._length == length and layer.stores is held for layer, held in zip(layers, stores))
 
     def set_length(self, end: int) -> None:
         """Keys and values cut to the stores' first `end` slots (compaction), as views made when next read: the
-        kernel's forwards and compaction read the stores, and making SmolLM2's 60 views took ~0.2 ms a step."""
+        kernel's forwards and compaction read the stores, and making every layer's two views each step adds up."""
         self._length = end
 
     def get_seq_length(self) -> int:
@@ -270,8 +269,7 @@ def _replace(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
 
 def _gather_slots(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """t (B, heads, T, d) at the key positions index (B, C) of each row. One row reads them by `index_select`,
-    without gather's index per element: moving one slot in each of SmolLM2's 30 layers (250 keys) took
-    0.44-0.47 against 0.60-0.64 ms (AVX-512-bf16 EPYC, bf16)."""
+    without gather's index per element, which makes it the faster of the two."""
     index = index.to(t.device)  # layers of a model split over devices live apart
     if t.shape[0] == 1:
         return t.index_select(-2, index[0])
@@ -287,7 +285,7 @@ def _in_place(keep: torch.Tensor) -> int:
     """
     if keep.device.type != "cpu":
         return 0
-    rows, same = keep.tolist(), 0  # on the host: a step's offsets are a few, and torch's four ops took ~0.04 ms in situ
+    rows, same = keep.tolist(), 0  # on the host: a step's offsets are a few, fewer than torch's ops would cost
     while same < keep.shape[1] and all(row[same] == same for row in rows):
         same += 1
     return same

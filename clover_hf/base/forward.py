@@ -84,7 +84,7 @@ def base_forward(model: PreTrainedModel, ids, mask, positions, cache, logits_to_
     resolved by the caller where this runs compiled.
 
     The hidden states are read off the decoder's output with a hook: asking for `output_hidden_states`
-    collects every layer's, which cost 1% of a one-token step on a CPU. A model that is its own
+    collects every layer's, a cost a one-token step on a CPU shows. A model that is its own
     decoder is asked for them."""
     kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep and model._supports_logits_to_keep() else {}
     kwargs[keyword or cache_keyword(type(model))] = cache

@@ -1,8 +1,8 @@
 """What the machine at hand computes natively, and how to name it in a result.
 
 Speculative decoding pays only where verifying many tokens costs little more than one, and that
-depends on the device, its instruction set and the dtype: on an AVX2-only CPU a 16-token bf16
-forward cost 7x a one-token one, on an AVX-512-bf16 CPU 1.3x.
+depends on the device, its instruction set and the dtype: on a CPU without native bf16 a many-token
+bf16 forward costs many one-token ones, on one with it (AVX-512-bf16, AMX) little more than one.
 """
 
 from __future__ import annotations
@@ -62,14 +62,14 @@ def native_bf16_cpu() -> bool:
 
 
 def amx_cpu() -> bool:
-    """Whether this CPU multiplies bf16 on AMX tiles (Intel Xeon from Sapphire Rapids), as oneDNN does there."""
+    """Whether this CPU multiplies bf16 on AMX tiles (Intel's server CPUs since Sapphire Rapids), as oneDNN does there."""
     return "amx_bf16" in _cpu_flags()
 
 
 @lru_cache(maxsize=1)
 def bf16_reads_faster_cpu(ratio: float = 1.2) -> bool:
     """Whether one-token products (what plain decoding does) run `ratio` times faster with bf16 weights
-    than with fp32 ones on this CPU, timed on 64 MiB of fp32 weights (a few hundred ms, once).
+    than with fp32 ones on this CPU, timed on 64 MiB of fp32 weights (briefly, once).
 
     Without native bf16 the CPU converts bf16 to fp32 as it computes: one-token decoding still reads
     half the bytes and may win, while many-token forwards lose (the draft budget's cost model sees that).

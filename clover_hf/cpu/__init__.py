@@ -9,17 +9,14 @@ from .kernel import (  # noqa: F401
     add_rms_norm,
     argmax,
     attention,
-    attention_decoder,
     available,
     build_id,
     cosine_gate,
     DecoderLayer,
     DecoderStack,
-    Features,
     int8_product,
     KeyLayout,
     norm,
-    output_head,
     prepare,
     rms_norm,
     rope,
@@ -27,26 +24,30 @@ from .kernel import (  # noqa: F401
     serves,
     silu_mul,
     SlotMover,
-    StaticDraft,
     top_k_columns,
     top_probs,
 )
-from .linears import (  # noqa: F401
-    BlockMemo,
+from .products import (  # noqa: F401
     COPIES,
+    form_for,
+    linear,
+    LinearForms,
+    PACK_ROWS,
+)
+from .linears import (  # noqa: F401
     copy_form,
     evident_forms,
     faster_forms,
-    form_for,
-    kernel_weights,
-    layer_weights,
-    linear,
-    linear_forms,
-    LinearForms,
     make_copy,
     ONE_ROW_GAIN,
-    PACK_ROWS,
     WeightCopies,
+)
+from .binding import (  # noqa: F401
+    BlockMemo,
+    BoundLinear,
+    kernel_weights,
+    layer_weights,
+    linear_forms,
 )
 from .form_trials import (  # noqa: F401
     FormTrials,

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from clover_hf.core.hardware import bf16_reads_faster_cpu, native_bf16_cpu
+from clover_hf.core import hardware
 
-from .kernel import available
+from . import kernel
 
 
 def default_dtype(device: torch.device | str = "cpu") -> torch.dtype:
     """bf16 on accelerators and on CPUs that compute it natively (AVX-512-bf16, AMX); on other CPUs bf16 where
-    clover_hf's compiled kernel runs (built here first if need be: it reads the bf16 bytes alone, and one-token
-    steps ran 53 against 24 tokens/s in float32 on the AVX2-only EPYC) or where torch's bf16 products were
-    measured faster than fp32 ones (`bf16_reads_faster_cpu`), else fp32."""
+    clover_hf's compiled kernel runs (built here first if need be: it reads the bf16 bytes alone, where float32
+    products read twice as many) or where torch's bf16 products were measured faster than float32 ones
+    (`hardware.bf16_reads_faster_cpu`), else float32."""
     device = torch.device(device)
-    if device.type != "cpu" or native_bf16_cpu() or available():
+    if device.type != "cpu" or hardware.native_bf16_cpu() or kernel.available():
         return torch.bfloat16
-    return torch.bfloat16 if bf16_reads_faster_cpu() else torch.float32
+    return torch.bfloat16 if hardware.bf16_reads_faster_cpu() else torch.float32

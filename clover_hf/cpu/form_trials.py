@@ -1,8 +1,8 @@
 """The linear forms learnt from a call's own products, on a machine with none stored.
 
-`linears.faster_forms` times every form apart, before decoding: 0.3-0.46 s on the AVX-512-bf16 EPYC
-for SmolLM2-135M (0.1 s of it making the weight copies), which an answer of 18 tokens (0.43 s of plain
-decoding) never earned back: that first call ran 0.63x plain `generate`. Here nothing is timed apart.
+`linears.faster_forms` times every form apart, before decoding: about as long as a short answer takes to
+decode plainly, which that answer never earns back (its first call ran well behind plain `generate`). Here
+nothing is timed apart.
 Each product of a row count not settled yet is computed in one of the candidate forms in turn and
 timed where it runs, inside a real forward; its output is used like any other (every form computes
 the same product). The first product of a shape at a row count in a form is not timed (oneDNN builds
@@ -30,37 +30,27 @@ from collections import Counter, defaultdict
 import torch
 from torch import nn
 
+from .binding import _Stacked
+from .layers import _linears, _units, plain_layers, shape_keys, shared_input_groups
 from .linears import (
-    COPIES,
     COPY_GAIN,
-    LINEAR,
-    MAX_ROWS,
     MIN_GAIN,
-    NATIVE,
     NATIVE_BEHIND,
     ONE_ROW_GAIN,
-    PACK_ROWS,
-    WITHOUT_COPY,
     WeightCopies,
     _candidates,
-    _linears,
-    _Stacked,
-    _units,
     copy_forms_for,
-    float16_exact,
-    form_linear,
     one_row_forms,
-    shape_keys,
-    shared_input_groups,
 )
+from .products import COPIES, LINEAR, MAX_ROWS, NATIVE, PACK_ROWS, WITHOUT_COPY, float16_exact, form_linear
 
 SAMPLES = 3  # timings of each form per weight shape before a row count settles (the least counts: oneDNN's first
 # product of a new row count builds its kernel)
-COVERAGE = 0.75  # a row count settles once the shapes timed at it hold this share of the weights' bytes (SmolLM2:
-# its decoder layers' shapes hold 79%, its output embedding 21%)
+COVERAGE = 0.75  # a row count settles once the shapes timed at it hold this share of the weights' bytes (a small
+# model's decoder layers' shapes hold somewhat more, its output embedding the rest)
 ROW_COUNTS = tuple(1 << k for k in range(MAX_ROWS.bit_length()))  # 1, 2, 4, ... MAX_ROWS
 RESERVE_STEPS = 2.0  # a call learns while ahead of plain `generate` by this many of plain's one-token forwards (a
-# wide step in forms being timed cost up to about two more than a one-token step on the AVX-512-bf16 EPYC)
+# wide step in forms being timed costs up to about two more than a one-token step)
 LEARN_ANYWAY = 2.0  # seconds after which a call learns even if not ahead (one-token steps that gain nothing never
 # get ahead: speculation is then the only gain, and it needs the wider forms) ...
 COPY_ALLOWANCE = 0.5  # ... making copies while their making took at most this share of the call's time
@@ -82,7 +72,7 @@ class FormTrials:
                  pending: set[int] | None = None, plain_row_s: float | None = None, fallback: dict[int, str] | None = None,
                  clock=time.perf_counter) -> None:
         self.copies, self.clock = copies, clock
-        layers = list({id(m): m for model in models for m in _linears(model)}.values())
+        layers = plain_layers(models)
         self.shape_of = shape_keys(models)
         self._layers = weakref.WeakSet(layers)
         self.layers_of = Counter(self.shape_of.values())  # products of each shape in a forward of all layers
@@ -102,9 +92,9 @@ class FormTrials:
         candidates = [f for f in candidates if f not in copying or f == copying[0]]
         self.copy_kind = copying[0] if copying else None
         one_row = one_row_forms(candidates, half)
-        # ATen's kernel (where oneDNN serves the dtype) at one row only: on the AVX-512-bf16 EPYC its products at
-        # 2 rows were timed as fast as the blocked layout's inside forwards, yet whole forwards of 2 and 3 tokens
-        # took 19.8 and 25.5 ms with it against 16.7 and 17.8 (at 16-64 rows it took 5-12x oneDNN's time)
+        # ATen's kernel (where oneDNN serves the dtype) at one row only: its products at 2 rows were timed as fast as
+        # the blocked layout's inside forwards, yet whole forwards of 2 and 3 tokens ran markedly slower with it (and
+        # at tens of rows it took several times oneDNN's time)
         self.candidates = {n: [LINEAR, *(one_row if n == 1 else [f for f in candidates if f != NATIVE])]
                            for n in ROW_COUNTS}
         self.forms: dict[int, str] = dict(known or {})
@@ -120,7 +110,7 @@ class FormTrials:
         self.timing_copies: list[nn.Linear] = []  # layers given a copy only to be timed (see `_copy`)
         # computed once already, the first not timed: (rows, shape, form) products (each row count of a bucket:
         # at 16-31 rows, the blocked layout's first product at each count had made it look slower than W @ x.T,
-        # which then took 16-token verify forwards to 37 ms against 22), and (1, form) one-row forwards
+        # which then made 16-token verify forwards far slower), and (1, form) one-row forwards
         self.warm: set[tuple] = set()
         groups = shared_input_groups(models)
         self.group_of = {id(m): group for group in groups for m in group}
@@ -140,8 +130,8 @@ class FormTrials:
         self.plain_row_s = plain_row_s
         self.prefill_s, self.tokens = 0.0, 0
         # one row is learnt from whole forwards, each in one form (from the base's first product to its output
-        # embedding's): per product, W @ x.T was timed faster in float32 on the AVX-512-bf16 EPYC, yet one-token
-        # steps ran 40 against 48 tokens/s with it, as `faster_forms` times one row streamed for the same reason
+        # embedding's): per product, W @ x.T was timed faster in float32 on one CPU, yet one-token steps ran slower
+        # with it; `faster_forms` times one row streamed for the same reason
         out = models[0].get_output_embeddings() if hasattr(models[0], "get_output_embeddings") else None
         ends = (id(self.units[0][0]), id(out)) if self.units and out is not None else None
         self.row_ends = ends if ends is not None and ends[1] in self.shape_of and ends[0] != ends[1] else None
@@ -194,8 +184,8 @@ class FormTrials:
         while `providing` copies; pending row counts above PACK_ROWS (a prefill's) only once the verify forwards'
         forms are `ready` or the call `may_learn` (before, they compute in F.linear, as plain's). A prefill comes
         first in a call, before it may learn: once the verify forms settled, the prefills of later calls learn
-        theirs (one prefill a row count; SmolLM2's products in bf16 on the AVX2-only EPYC took 12 ms a row in
-        F.linear, 2 in the kernel's tiled copies)."""
+        theirs (one prefill a row count; without native bf16 products, F.linear takes several times the
+        kernel's tiled copies a row)."""
         n = row_bucket(rows)
         if n > PACK_ROWS and n in self.pending and not (self.ready() or self.may_learn()):
             return False
@@ -204,9 +194,9 @@ class FormTrials:
     def one_token_steps(self) -> bool:
         """Whether steps should verify one token for now: the forms of wider verify forwards are still to be
         learnt (or the copies they compute from made), and the call may not spend on learning yet
-        (`may_learn`). Learning them costs wide steps in forms still being timed and the weight copies (0.2-0.4 s
-        for SmolLM2 on the AVX-512-bf16 EPYC), which a short answer never earns back; one-token steps in the form
-        learnt for one row already beat plain decoding (1.6x there), and what they gain pays for the learning."""
+        (`may_learn`). Learning them costs wide steps in forms still being timed and the weight copies, which a
+        short answer never earns back; one-token steps in the form learnt for one row already beat plain decoding,
+        and what they gain pays for the learning."""
         if 1 in self.pending and self._all_copied():
             # the copies are made, and one row is timed in their form too: from one-token forwards alone (a call that
             # got ahead learnt the wider forms first, and its wide steps would leave one row pending for good)
@@ -243,7 +233,7 @@ class FormTrials:
         n, shape = row_bucket(rows), self.shape_of[id(layer)]
         self.used.add(id(layer))
         # in whatever form, computed here a layer at a time (outside the decoder layers' one kernel call), as a step
-        # in settled forms does not: SmolLM2's one-token steps took ~18 against ~9 ms so (AVX-512-bf16 EPYC, Zen 4)
+        # in settled forms does not: one-token steps took about twice as long so
         self.unsettled += 1
         # the copies are made where the forms settled on them, or for one row to be timed in their form: calls that
         # verify one token a step (`budget="one-token"`) have no wider row count to make them, and one row had stayed
@@ -333,9 +323,9 @@ class FormTrials:
         without = min((f for f in ms if f not in COPIES), key=ms.get)
         best = min(ms, key=ms.get)
         # the copies wider row counts compute from, made already, or to be timed by them still: whole forwards timed
-        # here understate a copy form's gain (the AVX-512-bf16 EPYC's tiled copies took 10.7 against 11.2 ms, their
-        # products apart 3.5 against 5.7), and where one row settles before the wider row counts (calls of one-token
-        # steps alone) the copy form had lost on the memory rule below
+        # here understate a copy form's gain (whole forwards from the tiled copies gained little where their products
+        # apart gained much), and where one row settles before the wider row counts (calls of one-token steps alone)
+        # the copy form had lost on the memory rule below
         kept = best in self.forms.values() or (best == self.copy_kind and self._wider_pending())
         if best in COPIES and not kept and ms[best] > COPY_GAIN * ms[without]:
             best = without
@@ -347,7 +337,7 @@ class FormTrials:
 
     def _all_copied(self) -> bool:
         """Whether every layer (or stacked group) that has computed here has its copy for the copy form, or
-        cannot have one; False before any has. A layer no call ran (SmolLM2's fourth head under a three-deep
+        cannot have one; False before any has. A layer no call ran (a fourth head under a three-deep
         tree) gets its copy when it first computes, or as a later call's `linear_forms` begins."""
         kind = self.copy_kind
         if not self._copied_all and kind is not None and self.used:
@@ -444,8 +434,8 @@ class FormTrials:
     @staticmethod
     def _done(timed: dict[str, list[float]], form: str) -> bool:
         """Whether `form` is timed enough for a shape: SAMPLES times, or once at NATIVE_BEHIND times the best
-        other form's time (ATen's kernel at tens of rows took 5-12x oneDNN's time: a second timing of it
-        would cost more than it could tell)."""
+        other form's time (ATen's kernel at tens of rows took several times oneDNN's time: a second timing of
+        it would cost more than it could tell)."""
         if len(timed[form]) >= SAMPLES:
             return True
         others = [min(ms) for f, ms in timed.items() if f != form and ms]

@@ -10,14 +10,17 @@ from collections.abc import Callable, Hashable
 import torch
 from transformers import PreTrainedModel
 
+from clover_hf.backends import TorchBackend
 from clover_hf.base.cache import compact_cache
-from clover_hf.base.verify_forward import VerifyForward
 from clover_hf.core.hardware import timed
 from clover_hf.heads.tree import DynamicTree, TreeBuffers
 
-from .budget import AcceptanceModel, CostModel, DraftBudget, choose_width, laggard_tokens, likeliest, path_chances
+from .acceptance import AcceptanceModel, path_chances
+from .budget import DraftBudget
+from .costs import CostModel
 from .drafting import Draft, shallower
 from .rows import Batch
+from .widths import choose_width, laggard_tokens, likeliest
 
 EXPLORE_LIMIT = 3.0  # the first steps stop learning wider widths once one costs this many one-token steps
 LEARN_STEPS = 32  # steps a call verifies a width the form trials have still to learn, at most (`StepBudget.learn`)
@@ -39,7 +42,7 @@ class StepBudget:
         self.buckets: list[list[int]] = []  # each row's acceptance bucket per node of this step's cut draft
         self.explore = list(explore or [])  # widths whose cost the next steps learn, one a step, narrowest first
         self.exploring = False  # whether this step verifies a width to learn its cost
-        self.cap: int | None = None  # verify at most this many tokens per row this step (set by the decode loop)
+        self.cap: int | None = None  # verify at most this many tokens per row this step (set by the backend)
         self.learning_steps = 0  # steps this call verified a width for the form trials to learn (`learn`)
         if forms_settled and budget.fixed is None:  # timed by an earlier call (or process) while the forms were learnt
             self._time_again(set(self.provisional))
@@ -51,7 +54,7 @@ class StepBudget:
 
     @classmethod
     def start(cls, budget: DraftBudget | None, key: str | None, calibrate: bool | None, model: PreTrainedModel,
-              batch: Batch, widest: int, depth: int, lookup_max: int, sample: bool, verify: VerifyForward,
+              batch: Batch, widest: int, depth: int, lookup_max: int, sample: bool, verify: TorchBackend,
               setting: Hashable | None = None, forms_settled: bool = True) -> StepBudget | None:
         """The budget for this call with its verify costs: those not known yet are learnt from the first
         steps, or timed now (`calibrate`: see `DraftBudget.costs`); None without a budget or costs, or
@@ -77,9 +80,8 @@ class StepBudget:
     def learn(self, width: int | None) -> None:
         """Verify `width` tokens a row this step (None: choose by cost), at most LEARN_STEPS steps a call: the form
         trials' next row count to learn (`FormTrials.width_to_learn`). Widths timed while their forms were still
-        being learnt look dear, and the choice by cost would not verify them again: on the AVX-512-bf16 EPYC one
-        first call timed widths 4-8 at 51-59 ms against 9.6 for 3, so row count 4 stayed pending for good and every
-        later call ran its steps in forms being timed (0.70 against 0.55 s a call)."""
+        being learnt look dear, and the choice by cost would not verify them again: their row count would stay
+        pending for good, and every later call would run its steps in forms still being timed."""
         if width is None or self.learning_steps >= LEARN_STEPS or (self.cap is not None and width > self.cap):
             return
         if not self.explore or self.explore[0] != width:
@@ -88,8 +90,9 @@ class StepBudget:
 
     def drafting(self) -> bool:
         """Whether the heads draft this step (else the lookup chain alone is verified; never when one token
-        is; always while learning the costs of wider steps, which need their drafts)."""
-        wider = any(w > 1 for w in self.explore)
+        is; always while learning the costs of wider steps, which need their drafts, but for heads that can never
+        pay (`HeadsGate.hopeless`): the lookup chain alone then gives what wider steps are timed with)."""
+        wider = any(w > 1 for w in self.explore) and not self.gate.hopeless
         return self.budget.widest != 1 and self.cap != 1 and (wider or self.gate.drafting())
 
     def shallower(self, spec: list[list[int]] | DynamicTree, trees: list[TreeBuffers] | None):
@@ -109,6 +112,7 @@ class StepBudget:
                 draft.on_host()
             drafting_s = time.perf_counter() - started - augment_s
             draft_ms = (1000 * drafting_s, 1000 * augment_s / max(augmented, 1))
+            self._judge_cost(drafts, draft_ms[0])
         self.exploring = bool(self.explore) and (self.cap is None or self.explore[0] <= self.cap)
         width = self.explore[0] if self.exploring else None  # taken off once its step is timed
         most = self.budget.widest if self.cap is None else min(self.budget.widest or self.cap, self.cap)
@@ -123,12 +127,20 @@ class StepBudget:
             self.exploring = False
         return drafts
 
+    def _judge_cost(self, drafts: list[Draft], draft_ms: float) -> None:
+        """One row's drafting step against the most it could save (`HeadsGate.beyond_gain`): its deepest drafted
+        level, each accepted level a one-token step saved."""
+        one_token = self.costs.ms.get(1, {}).get(1)
+        if len(drafts) != 1 or one_token is None:
+            return
+        depths, _, _, is_chain = drafts[0].on_host()
+        self.gate.beyond_gain(draft_ms, max((d for d, c in zip(depths, is_chain) if not c), default=0), one_token)
+
     def _least_to_explore(self, rows: int, width: int | None) -> float | None:
         """The expected tokens a batch's step must hold to be worth verifying `width` tokens a row to learn its
         cost: as many as would pay if it cost what one row of as many tokens does (the cheapest it plausibly
-        costs). None (explore whatever the drafts): one row, or no one-row costs yet. At 8 rows on the
-        AVX-512-bf16 EPYC, widths 11 and 26 were timed this way at 99 and 135 ms for no token, a step in
-        twenty of the call's time."""
+        costs). None (explore whatever the drafts): one row, or no one-row costs yet. Without it, a batch of
+        many rows spends whole wide steps learning costs for drafts that bring no token."""
         one_row = self.costs.ms.get(1, {})
         if rows == 1 or width is None or 1 not in one_row:
             return None
@@ -181,11 +193,10 @@ class StepBudget:
 
     def _time_again(self, timed: set[tuple[int, int]]) -> None:
         """Forget the costs of these provisionally timed (rows, width), to be explored again (a step that made
-        weight copies took up to 10x its cost: doubting it would still rule it out); one token's, which every
+        weight copies took several times its cost: doubting it would still rule it out); one token's, which every
         choice needs, is doubted instead (`CostModel.doubt`: its next timing replaces it) and explored first (where
-        the heads pay, one-token steps are rare: left at 17-19 ms against 9 for settled ones after first calls, it
-        made the lookup chain alone look dear to the heads gate; AVX-512-bf16 EPYC, Zen 4). Those of other row
-        counts than the call's are left to a call of theirs."""
+        the heads pay, one-token steps are rare: left at its provisional cost, it made the lookup chain alone look
+        dear to the heads gate). Those of other row counts than the call's are left to a call of theirs."""
         timed = {(r, w) for r, w in timed if r == self.rows}
         for rows, width in timed:
             curve = self.costs.ms.get(rows, {})
@@ -260,7 +271,7 @@ def chain_rate(chances: list[list[float]], drafts: list[Draft], costs: CostModel
     return tokens / ms
 
 
-def measure_verify(model: PreTrainedModel, batch: Batch, token: torch.Tensor, verify: VerifyForward
+def measure_verify(model: PreTrainedModel, batch: Batch, token: torch.Tensor, verify: TorchBackend
                    ) -> Callable[[int], float]:
     """`measure(width) -> ms`: the time of one `verify` forward of `width` tokens per row over the batch's
     cache as it is, which is then cut back. Calibrates the draft budget's cost model."""
@@ -273,7 +284,7 @@ def measure_verify(model: PreTrainedModel, batch: Batch, token: torch.Tensor, ve
         new_pos = last.expand(rows, width)
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(rows, -1, -1)
         mask = batch.attention(new_pos, causal, model.dtype)
-        _, seconds = timed(lambda: verify(token.expand(rows, width), mask, new_pos, batch.cache), device)
+        _, seconds = timed(lambda: verify.verify(token.expand(rows, width), mask, new_pos, batch.cache), device)
         compact_cache(batch.cache, past_len, new_pos[:, :0])
         return 1000 * seconds
 

@@ -10,12 +10,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from clover_hf.base.cache import capacity, compact_cache, new_cache, select_rows, select_slots
-from clover_hf.base.forward import MaskLayout, base_forward
-from clover_hf.heads.modules import AugmentCache
+from clover_hf.base.cache import capacity, compact_cache, select_rows, select_slots
+from clover_hf.base.forward import MaskLayout
+from clover_hf.heads.augment import AugmentCache
 
 from .budget import CATCH_UP_STEPS
 from .lookup import NgramIndex
@@ -63,8 +63,8 @@ class Emitter:
     def _stop_within(self, tokens: torch.Tensor) -> int | None:
         """Where the stopping criteria are all transformers' max-length and end-of-sequence ones, read here: how
         many of `tokens` to append, the last of which stops the text (0: none stops it). None: the criteria are
-        called token by token (others, or past the model's position limit, where max-length warns). Calling
-        them took ~0.08 ms a token (SmolLM2, AVX2-only EPYC)."""
+        called token by token (others, or past the model's position limit, where max-length warns), which costs
+        a visible share of a step for every token."""
         if self._known is None:
             self._known = _known_criteria(self.stopping_criteria)
         if not self._known:
@@ -125,33 +125,6 @@ class Row:
         default_factory=lambda: deque(maxlen=CATCH_UP_STEPS))
 
 
-def prefill(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layout: MaskLayout,
-            pre_norm: bool, cache=None):
-    """The prompts (B, P), left-padded where `attention_mask` says so, through the base into `cache` (an
-    empty static cache) or a new dynamic one. Returns the last position's logits, the hidden states,
-    positions (B, P) (-1: a masked slot), the cache, and whether decoding may keep the base's own mask
-    path (one unpadded row without a window, on a dynamic cache)."""
-    batch, prompt_len = input_ids.shape
-    device = input_ids.device
-    valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    positions = torch.where(valid, valid.long().cumsum(1) - 1, -1)
-    # One unpadded row without a window goes through the base's own mask path, as in plain decoding: its
-    # prefill builds no (P, P) mask (a long prompt's would take gigabytes), and in bf16 an explicit additive
-    # mask rounds differently from the base's own at some lengths.
-    plain_mask = (cache is None and batch == 1 and not layout.mapping and layout.sliding_window is None
-                  and bool(valid.all()))
-    cache = new_cache() if cache is None else cache
-    if plain_mask:
-        mask = torch.ones(1, prompt_len, dtype=torch.long, device=device)
-    else:
-        eye = torch.eye(prompt_len, dtype=torch.bool, device=device)
-        causal = (eye.new_ones(prompt_len, prompt_len).tril() & valid[:, None, :]) | eye
-        mask = layout.build(positions[:, :0], positions, causal, model.dtype, slots=capacity(cache))
-    logits, hidden = base_forward(model, input_ids, mask, positions.clamp(min=0), cache, logits_to_keep=1,
-                                  pre_norm=pre_norm)
-    return logits, hidden, positions, cache, plain_mask
-
-
 def start_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, positions: torch.Tensor,
                logits: torch.Tensor, hidden: torch.Tensor, logits_processor: LogitsProcessorList, sample: bool,
                stopping_criteria: StoppingCriteriaList, streamer: object | None, keep: tuple[bool, bool], lookup: int,
@@ -199,7 +172,7 @@ class Batch:
         if self.plain_mask and node_pos.shape[1] == 1:
             return torch.ones(1, self.positions.shape[1] + 1, dtype=torch.long, device=node_pos.device)
         if self.plain_mask:  # every cached key is the row's own: only the tree's part is blocked (the mask
-            # `layout.build` makes, in half its ops: it took ~0.1 ms of a drafted step in situ, SmolLM2, AVX2-only EPYC)
+            # `layout.build` makes, in half its ops, which are a visible share of a drafted step)
             past, tokens = self.positions.shape[1], node_pos.shape[1]
             mask = torch.zeros(1, 1, tokens, past + tokens, dtype=dtype, device=node_pos.device)
             mask[0, 0, :, past:].masked_fill_(~allowed[0], torch.finfo(dtype).min)

@@ -27,7 +27,7 @@ ROW_WISE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLog
 def sample_token(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """One draw from `probs` (V,), unnormalised, by inverting its CDF at `uniform` in [0, 1).
 
-    Exact like `torch.multinomial`, and about 20x faster on CPU for a 49k vocabulary.
+    Exact like `torch.multinomial`, and much faster on CPU over a large vocabulary.
     """
     cdf = probs.cumsum(0)
     index = torch.searchsorted(cdf, uniform * cdf[-1], right=True)  # right: never a zero-mass token
@@ -118,8 +118,8 @@ def sample_columns(
     """Each node's sampling distribution over the columns its top-k `cut` leaves some node, with the node tokens:
     (probs (N, C), their token ids (C,) ascending, each node token's column (N,)). It is `process_tree_logits(...)
     .softmax(-1)` at those columns (every other token's probability there is 0), up to the order of float32 sums,
-    without its operations over the whole vocabulary after the cut: at one node of SmolLM2 on the AVX2-only EPYC
-    the cut, the softmax and the draw took ~0.5 ms over every token. Given `columns` (where the cut `screens`: every
+    without its operations over the whole vocabulary after the cut (the cut, the softmax and the draw over every
+    token cost a visible share of a step, even at one node). Given `columns` (where the cut `screens`: every
     logit left out lies below its node's k-th largest), node tokens outside them join at -inf. None where a score is
     a NaN."""
     ids, at = columns, tokens
@@ -155,10 +155,10 @@ def _top_p_of_kept(kept: torch.Tensor, warper: TopPLogitsWarper, texts: torch.Te
                    vocab: int) -> torch.Tensor:
     """`warper` (top-p) over rows (N, C) at vocabulary `columns`, every other token of which is removed (-inf): what
     it does over the whole rows (N, vocab), where that follows from these columns alone; else it runs over whole rows
-    made of them (it sorts every token: ~2.5 ms a row of SmolLM2's 49152 on the AVX2-only EPYC). It does not follow
-    where equal scores straddle its cut (which of them go follows torch.sort's order over the whole row, which is
-    not stable) or a cumulative probability lies within TOP_P_MARGIN of its bound (more, with more tokens kept): at
-    temperature 0.7 and top-p 0.9 over 4 MT-Bench prompts, in 96 of 344 steps."""
+    made of them (it sorts every token of the vocabulary, row by row). It does not follow where equal scores
+    straddle its cut (which of them go follows torch.sort's order over the whole row, which is not stable) or a
+    cumulative probability lies within TOP_P_MARGIN of its bound (more, with more tokens kept), which at common
+    sampling settings happens on a good share of steps."""
     inf = float("inf")
     ranked, order = torch.sort(kept, descending=False)
     cumulative = ranked.softmax(-1).cumsum(-1)
@@ -197,7 +197,7 @@ def accept_greedy(
     `parents`: the tree's parents as a list, where the caller holds them on the host (else read with the
     tokens). Returns the accepted node indices (root first) and the bonus token (the base's choice after
     the last accepted node). The walk runs on the host, over the tokens read in one transfer (its one host
-    sync): as torch ops on a tree of a few nodes it took ~0.18 ms a step (SmolLM2, AVX2-only EPYC).
+    sync): as torch ops on a tree of a few nodes, its per-operation overhead was a visible share of a step.
     """
     if tokens.shape[0] == 1:  # a plain decoding step
         return tokens.new_zeros(1), targets[0]
@@ -259,9 +259,9 @@ def accept_sampled(
 
 def _walk_on_host(tokens: torch.Tensor, probs: torch.Tensor, tree: TreeBuffers | StepTree, uniforms: torch.Tensor,
                   parents: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`accept_sampled`'s walk over host lists: its ~25 tensor operations on a tree of a few nodes took ~0.55 ms a
-    drafted step in situ (SmolLM2, AVX2-only EPYC). The acceptance tests run in float64 (the tensors' in float32:
-    the two differ only where a uniform falls within float32 rounding of its bound)."""
+    """`accept_sampled`'s walk over host lists: as a few dozen tensor operations on a tree of a few nodes, their
+    per-operation overhead was a visible share of a drafted step. The acceptance tests run in float64 (the
+    tensors' in float32: the two differ only where a uniform falls within float32 rounding of its bound)."""
     n = tokens.shape[0]
     parents = tree.parents.tolist() if parents is None else parents
     drafted, draws = tokens.tolist(), uniforms.tolist()

@@ -73,9 +73,9 @@ class CloverConfig:
     accelerator_dynamic_tree: dict[str, int] | None = field(
         default=None,
         metadata={"help": "Dynamic tree drafted instead at batch size 1 when the base runs on an accelerator (any "
-                          "device but the CPU), where a wider verify forward may cost little more (on one H100 with "
-                          "a 135M base, a 128-node tree's step took as long as a 10-node tree's). None: the same "
-                          "tree everywhere. An explicit tree passed to generate wins over both."},
+                          "device but the CPU), where a wider verify forward may cost little more than a narrow "
+                          "one (docs/budget.md). None: the same tree everywhere. An explicit tree passed to "
+                          "generate wins over both."},
     )
     lookup_tokens: int = field(
         default=0, metadata={"help": "Prompt-lookup chain added below the tree's root (0: heads only)."}

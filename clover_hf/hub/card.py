@@ -19,7 +19,7 @@ from huggingface_hub.utils import validate_repo_id
 
 from clover_hf.core.user_cache import MARKER_FILE
 from clover_hf.heads.config import CloverConfig
-from clover_hf.heads.modules import build_heads
+from clover_hf.heads.build import build_heads
 
 TEMPLATE_NAME = "MODEL_CARD.md"
 LIBRARY_NAME = "clover-hf"

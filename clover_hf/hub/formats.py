@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from clover_hf.heads.config import CONFIG_NAME, CloverConfig
-from clover_hf.heads.modules import DraftHeads
+from clover_hf.heads.base import DraftHeads
 
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
 MEDUSA_PICKLE = "medusa_lm_head.pt"

@@ -20,7 +20,8 @@ from huggingface_hub.errors import (
 from safetensors.torch import save_file
 
 from clover_hf.heads.config import CONFIG_NAME, WEIGHTS_NAME, CloverConfig
-from clover_hf.heads.modules import DraftHeads, build_heads
+from clover_hf.heads.base import DraftHeads
+from clover_hf.heads.build import build_heads
 
 from .formats import (
     CLOVER2_FILES,

@@ -11,6 +11,7 @@ import resource
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -64,6 +65,25 @@ class MethodResult:
         else:
             reference = pick(plain.rechecked[k]) if k in plain.rechecked else plain.prompt_rates[k]
         return own / reference
+
+    def add(self, out: torch.Tensor, tokens: int, seconds: float, stats, prompt_len: int) -> None:
+        """One timing on a prompt (or batch): its output, new tokens and seconds, and a drafting method's
+        `GenerationStats` (None for the others)."""
+        self.seconds += seconds
+        self.new_tokens += tokens
+        self.prompt_rates.append(tokens / seconds)
+        self.prompt_tokens.append(tokens)
+        self.prompts += out.shape[0]
+        if stats is not None:
+            self.steps += stats.steps
+            self.verify_steps += stats.steps - 1
+            self.accepted_lengths += stats.accepted_lengths
+            self.verified_tokens += stats.verified_tokens
+            self.head_drafts += stats.head_drafts
+            for stage, sec in stats.stage_seconds.items():
+                self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + sec
+        elif self.name == "plain generate":
+            self.steps += out.shape[1] - prompt_len
 
     def acceptance_by_depth(self, max_depth: int) -> list[float]:
         """Share of verify steps (of rows, in a batch) that accepted at least d drafted tokens, d = 1..max_depth."""
@@ -151,7 +171,7 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
     sequence at a time, so it is left out; tokens/step counts the tokens of all rows per forward.
     `plain_runs` names more runs of plain `generate` with extra arguments (a static cache, compiled).
 
-    One timing of a prompt on a shared machine is noisy (+-10% here), so a prompt on which a method ran
+    One timing of a prompt on a shared machine is noisy, so a prompt on which a method ran
     below `recheck_below` times plain `generate` is timed `recheck` more times, all methods interleaved;
     `slowest_prompts` then reports the median of its timings next to the first one. Where a method's
     output has another length than plain's (batch size 1), plain is also timed producing that many
@@ -163,89 +183,108 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=do_sample)
     if do_sample and temperature is not None:
         kwargs["temperature"] = temperature
-    clover_runs = clover_runs or DEFAULT_RUNS
-    methods = {"plain generate": lambda inputs: base.generate(**inputs, **kwargs)}
-    for name, extra in (plain_runs or {}).items():
-        methods[name] = lambda inputs, extra=extra: base.generate(**inputs, **extra, **kwargs)
+    clover_runs, plain_runs = clover_runs or DEFAULT_RUNS, plain_runs or {}
     drafting = {name: (model, extra) for name, extra in clover_runs.items()}
     drafting |= {name: (other, {}) for name, other in (baselines or {}).items()}
+    methods = _methods(base, kwargs, plain_runs, drafting, profile, prompt_lookup and batch_size == 1)
+    results = {name: MethodResult(name) for name in methods}
+    timer = _Timer(base, encode_batches(tokenizer, prompts, batch_size, base.device), kwargs)
+    _fit_static_caches(timer.batches, max_new_tokens, [*plain_runs.values(), *clover_runs.values()])
+    for inputs in timer.batches[:warmup]:
+        for fn in methods.values():
+            fn(inputs)
+    for k in range(len(timer.batches)):
+        _time_batch(timer, k, methods, drafting, results, same_length=batch_size == 1)
+        log(f"[{k + 1}/{len(timer.batches)}] " + "  ".join(
+            f"{n}: {r.tokens_per_second:.1f} tok/s" for n, r in results.items()))
+    if recheck:
+        _recheck(timer, methods, results, recheck, recheck_below, log)
+    return results
+
+
+def _methods(base, kwargs: dict, plain_runs: dict[str, dict], drafting: dict[str, tuple], profile: bool,
+             prompt_lookup: bool) -> dict[str, Callable]:
+    """Each method by name, as a function of a batch's `generate` inputs: plain `generate` first (the reference),
+    its `plain_runs`, the `drafting` runs (name -> (model, extra arguments)), and prompt lookup decoding."""
+    methods = {"plain generate": lambda inputs: base.generate(**inputs, **kwargs)}
+    for name, extra in plain_runs.items():
+        methods[name] = lambda inputs, extra=extra: base.generate(**inputs, **extra, **kwargs)
     for name, (drafter, extra) in drafting.items():
         methods[name] = lambda inputs, drafter=drafter, extra=extra: drafter.generate(
             **inputs, clover_profile=profile, **extra, **kwargs)
-    if prompt_lookup and batch_size == 1:
+    if prompt_lookup:
         methods["prompt lookup (10)"] = lambda inputs: base.generate(**inputs, prompt_lookup_num_tokens=10, **kwargs)
-    results = {name: MethodResult(name) for name in methods}
-    plain = results["plain generate"]
-    eos = base.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    batches = encode_batches(tokenizer, prompts, batch_size, base.device)
-    # one static cache size for every prompt (as transformers advises for compiled decoding), with room for
-    # Clover's widest tree: a cache that grew with a longer prompt would compile again inside a timing
+    return methods
+
+
+def _fit_static_caches(batches: list[dict[str, torch.Tensor]], max_new_tokens: int, runs: list[dict]) -> None:
+    """One static cache size for every prompt (as transformers advises for compiled decoding), with room for
+    Clover's widest tree: a cache that grew with a longer prompt would compile again inside a timing."""
     slots = max(b["input_ids"].shape[1] for b in batches) + max_new_tokens + BUCKETS[-1]
-    for extra in [*(plain_runs or {}).values(), *clover_runs.values()]:
+    for extra in runs:
         if extra.get("cache_implementation") == "static":
             extra.setdefault("max_cache_len", slots)
 
-    def run(fn, k: int) -> tuple[torch.Tensor, int, float]:
-        """One method on batch k, seeded by k: its output, new tokens and seconds."""
-        torch.manual_seed(k)
-        out, seconds = timed(lambda: fn(batches[k]), base.device)
-        return out, sum(_generated_lengths(out, batches[k]["input_ids"].shape[1], eos)), seconds
 
-    def plain_rate(k: int, n: int) -> float:
+class _Timer:
+    """Times one method on one batch of the benchmark, seeded by the batch's index."""
+
+    def __init__(self, base, batches: list[dict[str, torch.Tensor]], kwargs: dict) -> None:
+        self.base, self.batches, self.kwargs = base, batches, kwargs
+        eos = base.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+    def run(self, fn: Callable, k: int) -> tuple[torch.Tensor, int, float]:
+        """`fn` on batch k, seeded by k: its output, new tokens and seconds."""
+        torch.manual_seed(k)
+        out, seconds = timed(lambda: fn(self.batches[k]), self.base.device)
+        return out, sum(_generated_lengths(out, self.batches[k]["input_ids"].shape[1], self.eos)), seconds
+
+    def plain_rate(self, k: int, n: int) -> float:
         """Tokens/s of plain `generate` on batch k made to produce exactly n new tokens."""
-        _, tokens, seconds = run(lambda inputs: base.generate(
-            **inputs, **{**kwargs, "max_new_tokens": n, "min_new_tokens": n}), k)
+        _, tokens, seconds = self.run(lambda inputs: self.base.generate(
+            **inputs, **{**self.kwargs, "max_new_tokens": n, "min_new_tokens": n}), k)
         return tokens / seconds
 
-    for inputs in batches[:warmup]:
-        for fn in methods.values():
-            fn(inputs)
-    for k, inputs in enumerate(batches):
-        prompt_len = inputs["input_ids"].shape[1]
-        reference = None
-        for name, fn in methods.items():
-            out, tokens, seconds = run(fn, k)
-            r = results[name]
-            r.seconds += seconds
-            r.new_tokens += tokens
-            r.prompt_rates.append(tokens / seconds)
-            r.prompt_tokens.append(tokens)
-            r.prompts += out.shape[0]
-            stats = drafting[name][0].generation_stats if name in drafting else None
-            if stats is not None:
-                r.steps += stats.steps
-                r.verify_steps += stats.steps - 1
-                r.accepted_lengths += stats.accepted_lengths
-                r.verified_tokens += stats.verified_tokens
-                r.head_drafts += stats.head_drafts
-                for stage, sec in stats.stage_seconds.items():
-                    r.stage_seconds[stage] = r.stage_seconds.get(stage, 0.0) + sec
-            elif name == "plain generate":
-                r.steps += out.shape[1] - prompt_len
-            if reference is None:
-                reference = out
-            if out.shape == reference.shape:
-                r.identical += int((out == reference).all(dim=1).sum())
-        if batch_size == 1:
-            for r in results.values():
-                if r.prompt_tokens[k] != plain.prompt_tokens[k]:
-                    r.same_length[k] = [plain_rate(k, r.prompt_tokens[k])]
-        log(f"[{k + 1}/{len(batches)}] " + "  ".join(
-            f"{n}: {r.tokens_per_second:.1f} tok/s" for n, r in results.items()))
-    slow = sorted({k for r in results.values() for k in range(len(batches))
-                   if r.ratio(plain, k) < recheck_below}) if recheck else []
+
+def _time_batch(timer: _Timer, k: int, methods: dict[str, Callable], drafting: dict[str, tuple],
+                results: dict[str, MethodResult], same_length: bool) -> None:
+    """Every method once on batch k, plain `generate` first: its timing, steps, and how many rows match plain's
+    output; with `same_length` (batch size 1), plain also made to produce as many tokens as each method whose
+    output has another length."""
+    prompt_len = timer.batches[k]["input_ids"].shape[1]
+    reference = None
+    for name, fn in methods.items():
+        out, tokens, seconds = timer.run(fn, k)
+        r = results[name]
+        r.add(out, tokens, seconds, drafting[name][0].generation_stats if name in drafting else None, prompt_len)
+        if reference is None:
+            reference = out
+        if out.shape == reference.shape:
+            r.identical += int((out == reference).all(dim=1).sum())
+    if same_length:
+        plain = results["plain generate"]
+        for r in results.values():
+            if r.prompt_tokens[k] != plain.prompt_tokens[k]:
+                r.same_length[k] = [timer.plain_rate(k, r.prompt_tokens[k])]
+
+
+def _recheck(timer: _Timer, methods: dict[str, Callable], results: dict[str, MethodResult], times: int,
+             below: float, log) -> None:
+    """Time each prompt on which any method ran below `below` times plain `generate` `times` more times, all
+    methods interleaved (and plain made to produce as many tokens where a method's output length differs)."""
+    plain = results["plain generate"]
+    slow = sorted({k for r in results.values() for k in range(len(timer.batches)) if r.ratio(plain, k) < below})
     for k in slow:
         for r in results.values():
             r.rechecked[k] = [r.prompt_rates[k]]
-        for _ in range(recheck):
+        for _ in range(times):
             for name, fn in methods.items():
-                _, tokens, seconds = run(fn, k)
+                _, tokens, seconds = timer.run(fn, k)
                 results[name].rechecked[k].append(tokens / seconds)
                 if k in results[name].same_length:
-                    results[name].same_length[k].append(plain_rate(k, tokens))
+                    results[name].same_length[k].append(timer.plain_rate(k, tokens))
         log(f"[recheck {k + 1}] " + "  ".join(f"{n}: {statistics.median(r.rechecked[k]):.1f} tok/s" for n, r in results.items()))
-    return results
 
 
 def peak_rss_mib() -> float:

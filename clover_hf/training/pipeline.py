@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from clover_hf.heads.config import OPTIONS
-from clover_hf.heads.modules import DraftHeads
+from clover_hf.heads.base import DraftHeads
 from clover_hf.heads.tree import expected_accepted, tree_from_accuracies, validate_tree
 from clover_hf.hub.repo import load_heads, resolve_heads
 from clover_hf.modeling import CloverForCausalLM, check_supported

@@ -25,7 +25,8 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from clover_hf.heads.config import check_head_type
-from clover_hf.heads.modules import DraftHeads, DraftLMHead, document_ids
+from clover_hf.heads.base import DraftHeads, document_ids
+from clover_hf.heads.lm_head import DraftLMHead
 
 from .features import FeatureSet, base_targets
 from .packing import PackedRows

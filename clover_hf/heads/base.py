@@ -1,0 +1,91 @@
+"""What every kind of draft heads shares (`DraftHeads`): the config, the draft vocabulary and its lm_head rows,
+how the heads embed tokens; and the packed examples' ids the training pass masks by (`document_ids`).
+
+The heads never hold vocabulary-sized weights: token embeddings and the lm_head come from the base
+model at run time and are passed in explicitly (`embed`, and the lm_head rows as a `DraftLMHead`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from clover_hf.core.quantized import dense, plain
+from clover_hf.core.watch import unchanged, watch
+
+from .config import CloverConfig
+from .lm_head import DraftLMHead, LMHeadEmbedding
+
+
+class DraftHeads(nn.Module):
+    """What every kind of draft heads shares: the config, the draft vocabulary and its lm_head rows.
+
+    Subclasses provide `features` (per accepted position, with an optional cache), `forward` (the
+    teacher-forced training pass) and `draft` (a static tree's tokens), so training and the decoding
+    loop serve them all; those with `dynamic_trees` also draft EAGLE-2-style trees (`draft_dynamic`).
+    """
+
+    dynamic_trees = False
+
+    def __init__(self, config: CloverConfig) -> None:
+        super().__init__()
+        self.config = config
+        if config.draft_vocab_size is not None:
+            # Which base-vocabulary ids the heads draft from; filled by training (most frequent tokens).
+            self.register_buffer("draft_token_ids", torch.arange(config.draft_vocab_size), persistent=True)
+        else:
+            self.draft_token_ids = None
+        self._lm_head_rows: tuple[list, bool, DraftLMHead] | None = None  # (sources, int8, rows)
+
+    def draft_lm_head(self, lm_head: nn.Module, int8: bool = False) -> DraftLMHead:
+        """The base lm_head restricted to the draft vocabulary (all rows without one).
+
+        `int8=True` keeps the draft-vocabulary rows as int8 with a scale per row, where the heads
+        have a draft vocabulary and the kernel takes the hidden size. On a CPU in bf16, drafting reads
+        these rows from memory at every depth of every step, their largest cost; int8 halves the read
+        (in fp32 the int8 kernel was no faster than the fp32 product, so decoding uses it in bf16).
+        A quantized lm_head (torchao's, bitsandbytes') is dequantized into the rows.
+        Drafts, and so the tokens accepted per step, may change slightly; the output does not (greedy
+        stays identical to the base's in fp32, sampling keeps its distribution). The rows are built
+        once and kept until the lm_head or the draft vocabulary changes.
+        """
+        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+        if self.draft_token_ids is None and plain(weight):
+            return DraftLMHead(weight, bias)
+        int8 = int8 and self.draft_token_ids is not None and DraftLMHead.int8_fits(weight)
+        sources = [weight, bias, self.draft_token_ids]
+        memo = self._lm_head_rows
+        if memo is None or memo[1] != int8 or not unchanged(memo[0], sources):
+            with torch.inference_mode(False):  # kept past the call that builds them (decoding runs in inference mode)
+                ids = slice(None) if self.draft_token_ids is None else self.draft_token_ids.to(weight.device)
+                rows, bias = dense(weight).detach()[ids], None if bias is None else bias.detach()[ids]
+                rows = DraftLMHead.quantized(rows, bias) if int8 else DraftLMHead(rows, bias)
+            self._lm_head_rows = ([watch(t) for t in sources], int8, rows)
+        return self._lm_head_rows[2]
+
+    def token_embedding(self, base_model: nn.Module) -> nn.Module:
+        """How the heads embed tokens (the drafted ones, and those that follow each accepted position): the
+        base's input embeddings, or with `embed_from_lm_head` its lm_head's rows."""
+        if self.config.embed_from_lm_head:
+            return LMHeadEmbedding(base_model.get_output_embeddings())
+        return base_model.get_input_embeddings()
+
+    def init_from_base(self, base_model: nn.Module, norms: bool = False) -> bool:
+        """Copy what fits from the base into fresh heads; returns whether anything was copied."""
+        return False
+
+    def upgrade_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Weights saved by an earlier release, renamed to this release's layout (here: as they are)."""
+        return state
+
+    def init_projections(self, lm_head: nn.Module) -> None:
+        """Start projections of their own from the base's lm_head rows (once the draft vocabulary is chosen)."""
+
+    def head_logits(self, i: int, hidden: torch.Tensor, lm_head: DraftLMHead) -> torch.Tensor:
+        """Logits over the draft vocabulary of head i's output `hidden`: through the base's lm_head rows."""
+        return lm_head(hidden)
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) index of the packed example each position belongs to: a new one wherever a position is 0."""
+    return (position_ids == 0).cumsum(-1)
