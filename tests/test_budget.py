@@ -751,13 +751,19 @@ def test_forms_whose_verify_costs_exceed_a_wider_row_count_in_the_copy_form_swit
 
 
 def test_heads_gate_stops_heads_that_cost_more_than_their_deepest_draft_could_save():
-    """A drafting step dearer than the one-token steps its deepest draft would save, were all of it accepted, pauses
-    the heads at once for as long as a pause lasts; cheaper drafting is judged as before; a restart forgets it."""
+    """Two drafting steps in a row dearer than the one-token steps their deepest draft would save, were all of it
+    accepted, pause the heads at once for as long as a pause lasts; cheaper drafting is judged as before; a restart
+    forgets it."""
     from clover_hf.decode.budget import MAX_PAUSE
 
     gate = HeadsGate()
     gate.beyond_gain(draft_ms=7.0, steps_saved=4, step_ms=2.0)  # could save 8 ms: judged over steps as before
     assert not gate.hopeless and gate.drafting()
+    gate.beyond_gain(draft_ms=9.0, steps_saved=4, step_ms=2.0)  # one dear step (a first draft makes copies)
+    assert not gate.hopeless and gate.drafting()
+    gate.beyond_gain(draft_ms=1.0, steps_saved=4, step_ms=2.0)
+    gate.beyond_gain(draft_ms=9.0, steps_saved=4, step_ms=2.0)  # not two in a row
+    assert not gate.hopeless
     gate.beyond_gain(draft_ms=9.0, steps_saved=4, step_ms=2.0)
     assert gate.hopeless and gate.pause == gate.next_pause == MAX_PAUSE and not gate.drafting()
     gate.restart()
@@ -779,4 +785,4 @@ def test_a_first_call_stops_drafting_with_heads_that_can_never_pay(tmp_path):
     clover.clover_heads.draft = lambda *args, **kwargs: time.sleep(0.25) or draft(*args, **kwargs)
     budget = DraftBudget(cache_dir=tmp_path)
     clover.generate(ids, max_new_tokens=40, do_sample=False, budget=budget)
-    assert clover.generation_stats.head_drafts <= 4
+    assert clover.generation_stats.head_drafts <= 5

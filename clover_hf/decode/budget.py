@@ -69,20 +69,24 @@ class HeadsGate:
     probe: list[float] = field(default_factory=list)  # gains of the drafting steps since it began judging afresh
     unsettled: bool = False  # judged on steps whose linear forms were still being learnt (`restart` once settled)
     hopeless: bool = False  # drafting costs more than the steps its deepest draft could save (`beyond_gain`)
+    dear: int = 0  # drafting steps in a row that cost more than that
 
     def restart(self) -> None:
         """Forget what was judged while the linear forms were being learnt: their steps (and drafting) cost more
         than they will, and pauses doubled on them would keep the heads from drafting in the next calls."""
         self.draft_ms, self.augment_ms, self.gain, self.probe = None, 0.0, None, []
         self.pause, self.next_pause, self.depth, self.unsettled, self.hopeless = 0, MIN_PAUSE, None, False, False
+        self.dear = 0
 
     def beyond_gain(self, draft_ms: float, steps_saved: int, step_ms: float) -> None:
-        """A drafting step whose drafting alone (`draft_ms`) cost more than the one-token steps (`step_ms` each) that
+        """Drafting steps whose drafting alone (`draft_ms`) cost more than the one-token steps (`step_ms` each) that
         its deepest draft would save were all of it accepted (`steps_saved`): the heads can never pay (untrained
         heads drafting from a large vocabulary). They pause at once for as long as a pause lasts, and steps that
         explore wider widths take the lookup chain alone, rather than judging the heads over more drafting steps,
-        each dearer than what plain decoding would have done in the time."""
-        if draft_ms > steps_saved * step_ms:
+        each dearer than what plain decoding would have done in the time. Two such steps in a row: a process's
+        first draft also makes what the heads compute from (weight copies, tables), which later drafts do not."""
+        self.dear = self.dear + 1 if draft_ms > steps_saved * step_ms else 0
+        if self.dear >= 2:
             self.hopeless, self.gain, self.probe = True, None, []
             self.pause = self.next_pause = MAX_PAUSE
 

@@ -145,7 +145,7 @@ def export_vllm_medusa(heads: DraftHeads, directory: str | Path, lm_head: torch.
     config = heads.config
     if config.head_type != "medusa":
         raise ValueError(f"vLLM's Medusa layout holds Medusa heads; these are {config.head_type} heads (an engine "
-                         "proposer for Clover's heads would need their regressive state and tree: see the README)")
+                         "proposer for Clover's heads would need their regressive state and tree: see docs/hub.md, linked from the README)")
     if config.own_lm_heads:
         projections = [p.weight for p in heads.lm_heads]
     elif lm_head is None:
