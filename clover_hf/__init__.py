@@ -57,4 +57,4 @@ __all__ = [
     "DynamicTree",
     "clover_generate",
 ]
-__version__ = "0.33.12"
+__version__ = "0.34.0"
