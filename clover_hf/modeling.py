@@ -17,8 +17,10 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import StopStringCriteria
 
 from clover_hf import cpu
+from clover_hf.base.architectures import ALIBI, RECURRENT, architecture
 from clover_hf.base.cache import capacity, given_cache, is_static, static_sliding_layers
 from clover_hf.base.forward import MaskLayout
+from clover_hf.base.parts import decoder_layers
 from clover_hf.core.quantized import check_readable
 from clover_hf.decode.budget import DraftBudget
 from clover_hf.decode.costs import CostModel
@@ -30,33 +32,20 @@ from clover_hf.heads.clover import CloverHeads
 from clover_hf.hub.card import write_model_card
 from clover_hf.hub.repo import HEADS_FILES, is_heads_dir, load_heads, resolve_heads, save_heads
 
-# Architectures whose attention cannot take a tree mask, or whose state is not a KV cache.
-ALIBI_MODEL_TYPES = {"bloom", "mpt", "baichuan", "jais"}
-RECURRENT_MODEL_TYPES = {
-    "mamba", "mamba2", "falcon_mamba", "rwkv", "jamba", "zamba", "zamba2", "bamba", "recurrent_gemma",
-    "qwen3_next", "qwen3_5", "lfm2", "lfm2_moe", "granitemoehybrid", "nemotron_h", "falcon_h1", "xlstm",
-    "minimax", "plamo2", "olmo_hybrid", "kimi_linear",
-}
-
-
 def check_supported(base_config: Any) -> None:
     """Raise ValueError for models that cannot verify a token tree in one forward."""
     cfg = base_config.get_text_config() if hasattr(base_config, "get_text_config") else base_config
     model_type = getattr(base_config, "model_type", "?")
     if getattr(base_config, "is_encoder_decoder", False):
         raise ValueError(f"Clover heads need a decoder-only causal LM; '{model_type}' is an encoder-decoder model.")
-    if model_type in ALIBI_MODEL_TYPES or getattr(cfg, "alibi", False) or getattr(cfg, "position_embedding_type", "") == "alibi":
-        raise ValueError(
-            f"'{model_type}' uses ALiBi position biases, which ignore the tree's explicit positions: "
-            "a tree forward would not match one-token decoding. Use a RoPE or learned-position model."
-        )
-    layer_types = set(getattr(cfg, "layer_types", None) or [])
-    odd = layer_types - {"full_attention", "sliding_attention"}
-    if model_type in RECURRENT_MODEL_TYPES or odd:
-        raise ValueError(
-            f"'{model_type}' has recurrent or linear-attention layers ({sorted(odd) or model_type}); their state "
-            "cannot be verified as a tree with an attention mask, so Clover cannot decode it exactly."
-        )
+    why = architecture(base_config).unsupported
+    if why is not None:
+        raise ValueError(f"'{model_type}' {why}")
+    if getattr(cfg, "alibi", False) or getattr(cfg, "position_embedding_type", "") == "alibi":
+        raise ValueError(f"'{model_type}' {ALIBI}")
+    odd = set(getattr(cfg, "layer_types", None) or []) - {"full_attention", "sliding_attention"}
+    if odd:
+        raise ValueError(f"'{model_type}' has layers of kinds {sorted(odd)}: {RECURRENT}")
 
 
 def _length_dependent_rope(base_config: Any) -> tuple[str, int] | None:
@@ -88,6 +77,13 @@ def check_heads_match(config: CloverConfig, base_model: PreTrainedModel) -> None
             f"heads were trained for a '{config.base_model_type}' model "
             f"({config.base_model_name_or_path}) but the base model is a '{base_type}'"
         )
+    if config.feature_layers:
+        layers = decoder_layers(base_model)
+        count = 0 if layers is None else len(layers)
+        resolved = {i % count for i in config.feature_layers if -count <= i < count} if count else set()
+        if len(resolved) != len(config.feature_layers):
+            raise ValueError(f"heads read the base's decoder layers {config.feature_layers} (feature_layers), but the "
+                             f"base has {count} that clover-hf finds: these heads belong to another base")
 
 
 class CloverForCausalLM(nn.Module):

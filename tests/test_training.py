@@ -305,3 +305,37 @@ def test_conversations_for_a_base_without_chat_template_fail_before_it_loads(tmp
     notes.write_text("\n\n".join(f"Note {i}: the answer to {i} plus {i} is {2 * i}." for i in range(30)))
     cli_main(_args(str(base_dir), notes, tmp_path / "o2", **{"max-steps": "2"}))
     CloverForCausalLM.from_pretrained(tmp_path / "o2" / "heads", base_model=str(base_dir))
+
+
+def test_label_mask_keeps_the_contexts_decoding_reaches():
+    """Head i at t reads x_{t+1}..x_{t+1+i}: it learns there only where each was among the base's k likeliest."""
+    from clover_hf.training.trainer import reached
+
+    x = torch.tensor([[5, 1, 2, 3, 4, 6]])
+    best = torch.tensor([[1, 2, 9, 4, 6, 0]])  # the base's top-1 at each position: x_2 = 3 is not (it chose 9)
+    second = torch.tensor([[7, 7, 3, 7, 7, 7]])  # its second choice there was 3
+    top = torch.stack([best, second], -1)
+    assert reached(x, top, 1, 0, 5).tolist() == [[True, True, False, True, True]]
+    assert reached(x, top, 1, 1, 4).tolist() == [[True, False, False, True]]
+    assert reached(x, top, 1, 2, 3).tolist() == [[False, False, False]]
+    assert reached(x, top, 2, 2, 3).all()
+
+
+def test_label_mask_trains_on_fewer_positions_and_evaluates_on_all(tiny_base, tmp_path):
+    base = AutoModelForCausalLM.from_pretrained(tiny_base).eval().requires_grad_(False)
+    # random prompts (rarely the base's choices), then the base's own greedy answers (its choices throughout)
+    texts = [base.generate(prompt(i, 8), max_new_tokens=12, do_sample=False)[0].tolist() for i in range(4)]
+    examples = [Example(text, [1] * len(text)) for text in texts]
+    cache_features(base, examples, tmp_path / "f", top_k=4)
+    features = FeatureSet.load(tmp_path / "f")
+    clover = CloverForCausalLM.from_base(base, num_heads=2, tree=[[0], [0, 0]])
+    config = TrainConfig(output_dir=str(tmp_path / "o"), max_steps=2, batch_size=4, eval_fraction=0,
+                         save_every=100, eval_every=0, warmup_steps=1, label_mask=1)
+    trainer = Trainer(config, clover.clover_heads, base, features)
+    batch = trainer._device_batch([0, 1, 2, 3])
+    _, masked = trainer._losses(batch)
+    _, every = trainer._losses(batch, mask=False)
+    assert all(0 < m["n"] < e["n"] for m, e in zip(masked, every))
+    assert masked[1]["n"] < masked[0]["n"]  # deeper heads read more tokens: fewer contexts reached
+    with pytest.raises(ValueError, match="label_mask"):
+        TrainConfig(output_dir="o", label_mask=0)

@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel
 
+from clover_hf import cpu
 from clover_hf.base.cache import capacity, new_cache
 from clover_hf.base.forward import MaskLayout, base_forward
 from clover_hf.base.lean_layers import lean_layers
-from clover_hf.base.verify_forward import Verified, VerifyForward
+from clover_hf.base.verify_forward import Verified, VerifyForward, top_k_columns
 
 if TYPE_CHECKING:
     from clover_hf.decode.choosing import StepBudget
@@ -51,7 +52,8 @@ class TorchBackend:
     @contextlib.contextmanager
     def bound(self) -> Iterator[None]:
         """The call's block: the decoder layers in their lean forward where it is eager."""
-        with contextlib.nullcontext() if self.compiled else lean_layers(self.model, pack=self._packs()):
+        with contextlib.nullcontext() if self.compiled else lean_layers(self.model, pack=self._packs(),
+                                                                        stacked=not self.verify_forward.taps):
             yield
 
     def _packs(self) -> bool:
@@ -79,7 +81,7 @@ class TorchBackend:
             causal = (eye.new_ones(prompt_len, prompt_len).tril() & valid[:, None, :]) | eye
             mask = layout.build(positions[:, :0], positions, causal, self.model.dtype, slots=capacity(cache))
         logits, hidden = base_forward(self.model, input_ids, mask, positions.clamp(min=0), cache, logits_to_keep=1,
-                                      pre_norm=pre_norm)
+                                      pre_norm=pre_norm, taps=self.verify_forward.taps)
         return logits, hidden, positions, cache, plain_mask
 
     def width(self, tokens: int, room: int | None) -> int:
@@ -94,6 +96,14 @@ class TorchBackend:
     def argmax(self, scores: torch.Tensor) -> torch.Tensor:
         """Each node's greedy choice from its scores (T, V)."""
         return scores.argmax(-1)
+
+    def top_k_columns(self, scores: torch.Tensor, k: int, marked: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A top-k cut of float32 scores (R, n): each row's k-th largest and, ascending, the columns some row keeps or
+        `marked` names (None: a score is a NaN). The CPU kernel's selection where it is built (it serves any
+        backend's float32 scores), else torch's."""
+        made = cpu.top_k_columns(scores, k, marked)
+        return made if made is not None else top_k_columns(scores, k, marked)
 
     def forms_settled(self) -> bool:
         """Whether the call's steps already cost what they will (nothing left to learn)."""

@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .cache import cache_keyword
-from .parts import norm_inputs
+from .parts import layer_outputs, norm_inputs
 
 
 def additive_mask(
@@ -78,10 +78,24 @@ def _blocked_after(mask: torch.Tensor, slots: int | None) -> torch.Tensor:
 
 
 def base_forward(model: PreTrainedModel, ids, mask, positions, cache, logits_to_keep: int = 0, pre_norm: bool = False,
-                 keyword: str | None = None):
-    """Logits (B, n, V) in fp32 and the last hidden states (B, T, H) of one base forward (with `pre_norm`,
-    those before the final norm). `keyword`: the one the forward takes its cache by (`cache_keyword`),
-    resolved by the caller where this runs compiled.
+                 keyword: str | None = None, taps: tuple[int, ...] = ()):
+    """Logits (B, n, V) in fp32 and the hidden states the heads read (B, T, H) of one base forward: the last ones
+    (with `pre_norm`, those before the final norm), after the outputs of the decoder layers `taps` where given
+    (B, T, (len(taps) + 1) H: `fused`). `keyword`: the one the forward takes its cache by (`cache_keyword`),
+    resolved by the caller where this runs compiled."""
+    with layer_outputs(model, taps) as tapped:
+        logits, last = _last_hidden_forward(model, ids, mask, positions, cache, logits_to_keep, pre_norm, keyword)
+    return logits, fused(tapped, last)
+
+
+def fused(tapped: list[torch.Tensor], last: torch.Tensor) -> torch.Tensor:
+    """The heads' input from the tapped layers' outputs and the last hidden states: those alone without taps."""
+    return torch.cat([*tapped, last], -1) if tapped else last
+
+
+def _last_hidden_forward(model: PreTrainedModel, ids, mask, positions, cache, logits_to_keep: int, pre_norm: bool,
+                         keyword: str | None):
+    """`base_forward` without taps.
 
     The hidden states are read off the decoder's output with a hook: asking for `output_hidden_states`
     collects every layer's, a cost a one-token step on a CPU shows. A model that is its own

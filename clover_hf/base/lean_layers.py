@@ -43,21 +43,12 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from clover_hf import cpu
 
+from .architectures import LEAN_MODULES, RMS_NORMS
 from .cache import new_cache
 from .lean_model import VERDICTS, _ModelForward
 from .lean_stack import _Stack, _WholeLayer
 from .parts import apply_rope, decoder_layers
 
-# transformers' modeling modules whose decoder layer, attention, MLP and RMSNorm the lean forward mirrors, and
-# what each passes its attention function as `sliding_window` (Llama: nothing)
-LEAN_MODULES: dict[str, Callable[[nn.Module], dict] | None] = {
-    "transformers.models.llama.modeling_llama": None,
-    "transformers.models.mistral.modeling_mistral": lambda attn: {"sliding_window": getattr(attn.config, "sliding_window", None)},
-    "transformers.models.qwen2.modeling_qwen2": lambda attn: {"sliding_window": attn.sliding_window},
-    "transformers.models.qwen3.modeling_qwen3": lambda attn: {"sliding_window": attn.sliding_window},
-}
-# transformers' RMSNorms of these layers, all weight * bf16(x * rsqrt(mean(x^2) + eps)): `cpu.rms_norm`'s
-RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 # activations that compute F.silu (transformers' ACT2FN["silu"], torch's module): the MLP's act_fn(gate) * up in bf16
 # is `cpu.silu_mul`'s one call
 SILU = ("SiLUActivation", "SiLU")
@@ -358,13 +349,14 @@ def _lean_matches(model: nn.Module, layer: nn.Module, pack: bool, masks: _Packed
 
 
 @contextlib.contextmanager
-def lean_layers(model: nn.Module, pack: bool = False) -> Iterator[int]:
+def lean_layers(model: nn.Module, pack: bool = False, stacked: bool = True) -> Iterator[int]:
     """Within the block, the base's decoder layers that `lean_reason` passes run `lean_forward`; yields
-    how many do. Enter it outside `cpu.linear_forms` (its trial forward would be timed there)."""
+    how many do. Enter it outside `cpu.linear_forms` (its trial forward would be timed there). Without `stacked`,
+    each layer runs on its own (no `_Stack`), so that hooks read each layer's output (fused heads' taps)."""
     layers = list(decoder_layers(model) or [])
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         layers = []
-    chosen, masks, stack = [], _PackedMasks(), _Stack() if pack else None
+    chosen, masks, stack = [], _PackedMasks(), _Stack() if pack and stacked else None
     for layer in layers:
         if lean_reason(layer) is None and _lean_matches(model, layer, pack, masks):
             layer.forward = lean_forward(layer, pack, masks, fused=pack, stack=stack)

@@ -25,14 +25,10 @@ from clover_hf import cpu
 from clover_hf.core.watch import unchanged, watch
 from clover_hf.cpu import BlockMemo
 
+from .architectures import LEAN_MODELS
 from .forward import base_forward
 from .lean_stack import _Stack
 
-# transformers' causal LMs whose forward is its decoder's embedding, causal mask, rotary embedding, layers and final
-# norm, then the lm_head (by class name, with the module both classes come from): `_ModelForward` runs just those
-LEAN_MODELS = {"LlamaForCausalLM": "transformers.models.llama.modeling_llama",
-               "MistralForCausalLM": "transformers.models.mistral.modeling_mistral",
-               "Qwen2ForCausalLM": "transformers.models.qwen2.modeling_qwen2"}
 STATIC_ROPE = ("default", "linear", "llama3")  # rope types whose angles do not change with the sequence length
 ROTARY_TABLE_MOST = 1 << 14  # positions a rotary table holds at most (2 MiB at head_dim 64 in bf16): past them, the module
 

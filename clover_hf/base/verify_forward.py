@@ -20,9 +20,9 @@ import torch
 from transformers import CompileConfig, GenerationConfig, PreTrainedModel
 
 from .cache import cache_keyword, is_static
-from .forward import base_forward, last_hidden
+from .forward import base_forward, fused, last_hidden
 from .lean_layers import model_forward
-from .parts import final_norm
+from .parts import decoder_layers, final_norm
 
 BUCKETS = (1, 4, 16, 64, 160, 256)  # tree widths a compiled forward is padded to (wider: multiples of the last);
 # 160 holds an accelerator's 128-node dynamic tree with its lookup chain
@@ -54,17 +54,16 @@ def bucket(width: int, buckets: tuple[int, ...] | None = None) -> int:
 
 @dataclass
 class _Compiled:
-    """One model's compiled forward for one (settings, pre_norm), and the calls each shape has had.
+    """One model's compiled forward for one (settings, pre_norm, taps), and the calls each shape has had.
 
-    The heads read the last hidden states, which a hook on the decoder (or, for `pre_norm`, the final
-    norm) hands over through `last`: a hook registered inside the compiled region would break its graph,
-    so `hook` is registered around each call, the same function each time (dynamo guards on it)."""
+    The heads read the last hidden states, which a hook on the decoder (or, for `pre_norm`, the final norm) hands
+    over through `last[0]`, and the tapped layers' outputs, which hooks on those hand over through `last[1:]`: a hook
+    registered inside the compiled region would break its graph, so `hooks` are registered around each call, the
+    same functions each time (dynamo guards on them)."""
 
     fn: object
-    module: torch.nn.Module
-    hook: object
-    pre: bool  # a forward pre-hook (the norm's input) rather than a forward hook (the decoder's output)
-    last: list = field(default_factory=lambda: [None])
+    hooks: list  # (module, whether a forward pre-hook, the hook)
+    last: list
     calls: dict[tuple, int] = field(default_factory=dict)  # shape -> calls so far (-1: runs eager)
 
     @property
@@ -73,31 +72,32 @@ class _Compiled:
         return {shape for shape, calls in self.calls.items() if calls > 0}
 
     def __call__(self, *args) -> tuple[torch.Tensor, torch.Tensor]:
-        register = self.module.register_forward_pre_hook if self.pre else self.module.register_forward_hook
-        handle = register(self.hook)
+        handles = [(module.register_forward_pre_hook if pre else module.register_forward_hook)(hook)
+                   for module, pre, hook in self.hooks]
         try:
             return self.fn(*args)
         finally:
-            handle.remove()
-            self.last[0] = None
+            for handle in handles:
+                handle.remove()
+            self.last[:] = [None] * len(self.last)
 
 
-def _grab_input(last: list, module, args) -> None:
-    last[0] = args[0]
+def _grab_input(last: list, at: int, module, args) -> None:
+    last[at] = args[0]
 
 
-def _grab_output(last: list, module, args, out) -> None:
-    last[0] = last_hidden(out)
+def _grab_output(last: list, at: int, module, args, out) -> None:
+    last[at] = last_hidden(out) if at == 0 else (out[0] if isinstance(out, tuple) else out)
 
 
 def _logits_and_last(model: PreTrainedModel, keyword: str, last: list, ids, mask, positions, cache):
-    """The region compiled: the base's forward, its logits in float32 and the hidden states a hook put in `last`."""
+    """The region compiled: the base's forward, its logits in float32 and the heads' input the hooks put in `last`."""
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, return_dict=True,
                 **{keyword: cache})
-    return out.logits.float(), last[0]
+    return out.logits.float(), fused(last[1:], last[0])
 
 
-_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(settings, pre_norm): _Compiled}
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(settings, pre_norm, taps): _Compiled}
 
 
 def _recompile_options() -> dict:
@@ -108,24 +108,27 @@ def _recompile_options() -> dict:
     return {}
 
 
-def _compiled(model: PreTrainedModel, config: CompileConfig, pre_norm: bool) -> _Compiled | None:
+def _compiled(model: PreTrainedModel, config: CompileConfig, pre_norm: bool, taps: tuple[int, ...] = ()
+              ) -> _Compiled | None:
     """The model's compiled forward for these settings, made once and kept with the model across calls;
     None for a model that is its own decoder (no module to read the last hidden states from)."""
     module = final_norm(model) if pre_norm else model.get_decoder()
-    if module is None or module is model:
+    layers = decoder_layers(model) if taps else None
+    if module is None or module is model or (taps and layers is None):
         return None
     settings = (config.backend, config.mode, config.fullgraph, config.dynamic, repr(config.options))
     per_model = _COMPILED.setdefault(model, {})
-    if (settings, pre_norm) not in per_model:
-        last = [None]
+    if (settings, pre_norm, taps) not in per_model:
+        last = [None] * (len(taps) + 1)
         forward = functools.partial(_logits_and_last, model, cache_keyword(type(model)), last)
         inductor = config.backend == "inductor"
         fn = torch.compile(forward, fullgraph=config.fullgraph, dynamic=bool(config.dynamic), backend=config.backend,
                            mode=config.mode if inductor and not config.options else None, options=config.options,
                            **_recompile_options())
-        hook = functools.partial(_grab_input if pre_norm else _grab_output, last)
-        per_model[(settings, pre_norm)] = _Compiled(fn, module, hook, pre_norm, last)
-    return per_model[(settings, pre_norm)]
+        hooks = [(module, pre_norm, functools.partial(_grab_input if pre_norm else _grab_output, last, 0))]
+        hooks += [(layers[i], False, functools.partial(_grab_output, last, at + 1)) for at, i in enumerate(taps)]
+        per_model[(settings, pre_norm, taps)] = _Compiled(fn, hooks, last)
+    return per_model[(settings, pre_norm, taps)]
 
 
 class Verified(NamedTuple):
@@ -147,9 +150,9 @@ class VerifyForward:
     logits alone (`verification.TopKCut.screens`), whose columns the lean forward then gives where it can."""
 
     def __init__(self, model: PreTrainedModel, pre_norm: bool, config: CompileConfig | None = None,
-                 greedy: bool = False, top_k: int | None = None) -> None:
-        self.model, self.pre_norm, self.greedy, self.top_k = model, pre_norm, greedy, top_k
-        self.compiled = None if config is None else _compiled(model, config, pre_norm)
+                 greedy: bool = False, top_k: int | None = None, taps: tuple[int, ...] = ()) -> None:
+        self.model, self.pre_norm, self.greedy, self.top_k, self.taps = model, pre_norm, greedy, top_k, taps
+        self.compiled = None if config is None else _compiled(model, config, pre_norm, taps)
         self.config = None if self.compiled is None else config
         self.settled = True  # whether the last call's time is the step's: past its compiling calls, with no one-off
         # set-up (the lean forward's checks, `lean_layers._ModelForward.checked`)
@@ -176,11 +179,12 @@ class VerifyForward:
         calls = self._calls_before((tuple(ids.shape), tuple(mask.shape))) if is_static(cache) else -1
         self.settled = calls < 0 or calls >= WARM_CALLS
         if calls < 0:
-            lean = model_forward(self.model)  # within `lean_layers`, where the layers all run in one kernel call
+            # within `lean_layers`, where the layers all run in one kernel call (never with taps: `lean_layers`)
+            lean = None if self.taps else model_forward(self.model)
             out = None if lean is None else lean(ids, mask, positions, cache, self.pre_norm, self.greedy, self.top_k)
             self.settled = lean is None or not lean.checked  # a process's one-off checks are no step's cost
             return Verified(*(out if out is not None else base_forward(self.model, ids, mask, positions, cache,
-                                                                       pre_norm=self.pre_norm)))
+                                                                       pre_norm=self.pre_norm, taps=self.taps)))
         if self.model.device.type == "cuda" and self.config.mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs were copied out
         logits, hidden = self.compiled(ids, mask, positions, cache)
@@ -196,3 +200,12 @@ class VerifyForward:
             calls = -1
         self.compiled.calls[shape] = calls + 1 if calls >= 0 else -1
         return calls
+
+
+def top_k_columns(scores: torch.Tensor, k: int, marked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A top-k warper's cut of float32 `scores` (R, n): each row's k-th largest (R,) and, ascending, the columns some
+    row keeps or `marked` names; None where a score is a NaN."""
+    if torch.isnan(scores).any():
+        return None
+    kth = scores.topk(k).values[:, -1]
+    return kth, torch.cat([(scores >= kth[:, None]).any(0).nonzero()[:, 0], marked]).unique()

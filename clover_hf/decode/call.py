@@ -76,7 +76,7 @@ class DecodeCall:
         cut = TopKCut.of(logits_processor, getattr(model.get_output_embeddings(), "out_features", None)) if (
             sample and unread and device.type == "cpu") else None
         verify = VerifyForward(model, pre_norm, compile_settings(model, generation_config, prepared), greedy,
-                               cut.k if cut is not None and cut.screens else None)
+                               cut.k if cut is not None and cut.screens else None, heads.taps)
         plan = make_plan(model, heads, input_ids.shape[0], generation_config, stopping_criteria, tree, lookup,
                          lookup_max, int8)
         backend = _backend(model, heads, verify, budget, calibrate, input_ids.shape[0], is_static(prepared))

@@ -71,7 +71,7 @@ def accept_rows(rows: list[Row], drafts: list[Draft], verified: Verified, backen
         elif sample:
             uniforms = torch.rand(n, device=tokens.device)
             made = None if cut is None else sample_columns(logits[b, :n], row.emitter.input_ids, tokens, tree, cut,
-                                                          columns)
+                                                          columns, backend.top_k_columns)
             if made is not None:
                 probs, ids, at = made
                 nodes, bonus = accept_sampled(at, probs, tree, uniforms, host)

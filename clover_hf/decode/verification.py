@@ -3,6 +3,7 @@ sampled)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from clover_hf import cpu
+from clover_hf.base.verify_forward import top_k_columns
 from clover_hf.heads.tree import StepTree, TreeBuffers
 
 ROW_WISE = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
@@ -114,6 +115,7 @@ def sample_columns(
     tree: TreeBuffers | StepTree,
     cut: TopKCut,
     columns: torch.Tensor | None = None,  # (C,) the vocabulary ids of `logits`' columns, ascending; None: all of them
+    top_k: Callable[[torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None] | None = None,  # the backend's top-k cut (`TorchBackend.top_k_columns`); None: torch's
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Each node's sampling distribution over the columns its top-k `cut` leaves some node, with the node tokens:
     (probs (N, C), their token ids (C,) ascending, each node token's column (N,)). It is `process_tree_logits(...)
@@ -131,14 +133,10 @@ def sample_columns(
         at = inverse[columns.shape[0] :]
     scores = process_tree_logits(logits, input_ids, tokens, tree, cut.before)
     k = min(cut.k, scores.shape[1])
-    made = cpu.top_k_columns(scores, k, at)
+    made = (top_k or top_k_columns)(scores, k, at)
     if made is None:
-        if torch.isnan(scores).any():
-            return None
-        kth = scores.topk(k).values[:, -1]
-        kept_at = torch.cat([(scores >= kth[:, None]).any(0).nonzero()[:, 0], at]).unique()
-    else:
-        kth, kept_at = made
+        return None
+    kth, kept_at = made
     kept = scores[:, kept_at]
     kept = kept.masked_fill(kept < kth[:, None], -float("inf"))
     kept_ids = kept_at if ids is None else ids[kept_at]

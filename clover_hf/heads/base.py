@@ -37,6 +37,11 @@ class DraftHeads(nn.Module):
             self.draft_token_ids = None
         self._lm_head_rows: tuple[list, bool, DraftLMHead] | None = None  # (sources, int8, rows)
 
+    @property
+    def taps(self) -> tuple[int, ...]:
+        """The base's decoder layers whose outputs the heads read besides the last hidden state (`feature_layers`)."""
+        return tuple(self.config.feature_layers or ())
+
     def draft_lm_head(self, lm_head: nn.Module, int8: bool = False) -> DraftLMHead:
         """The base lm_head restricted to the draft vocabulary (all rows without one).
 

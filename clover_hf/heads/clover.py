@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from clover_hf.base.architectures import of_model
 from clover_hf.base.cache import GrowingLayer
 from clover_hf.base.parts import decoder_layers, rms_final_norm
 from clover_hf.core.quantized import dense, readable
@@ -31,6 +32,14 @@ class CloverHeads(DraftHeads):
 
     def __init__(self, config: CloverConfig) -> None:
         super().__init__(config)
+        # EAGLE-3's fused features: the tapped layers' outputs and the last hidden state, projected to hidden_size
+        # (it starts as the last hidden state alone: heads trained without taps carry over)
+        taps = len(config.feature_layers or ())
+        self.fuse = nn.Linear((taps + 1) * config.hidden_size, config.hidden_size, bias=False) if taps else None
+        if self.fuse is not None:
+            with torch.no_grad():
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, taps * config.hidden_size :].copy_(torch.eye(config.hidden_size))
         self.input_decoder = AttentionDecoder(config)
         rotary = RotaryTable(config.head_dim, config.rope_theta)  # one table for all the layers
         self.augment = nn.ModuleList(AugmentLayer(config, rotary) for _ in range(config.num_augment_layers))
@@ -50,13 +59,15 @@ class CloverHeads(DraftHeads):
     # -- features -------------------------------------------------------------------------------
     def features(
         self,
-        hidden: torch.Tensor,  # (B, T, H) base last hidden states at positions t
+        hidden: torch.Tensor,  # (B, T, H) base last hidden states at positions t ((B, T, (taps + 1) H) with taps)
         next_embeds: torch.Tensor,  # (B, T, H) embeddings of tokens t+1
         positions: torch.Tensor,  # (B, T)
         cache: AugmentCache | None = None,
         attn_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, AugmentCache]:
         """Augmenting Block over new positions; returns features (B, T, H) and the cache, extended in place."""
+        if self.fuse is not None:
+            hidden = self.fuse(hidden)
         x = self.input_decoder(hidden, next_embeds.to(hidden.dtype))
         cache = cache if cache is not None else AugmentCache([GrowingLayer() for _ in self.augment])
         for layer, stored in zip(self.augment, cache.layers):
@@ -165,9 +176,8 @@ class CloverHeads(DraftHeads):
         layers = decoder_layers(base_model)
         if layers is None:
             return False
-        gemma = str(getattr(base_model.config, "model_type", "")).startswith("gemma")
         final = rms_final_norm(base_model)
-        if norms and final is not None and not gemma:  # Gemma's RMSNorm scales by (1 + w): not ours
+        if norms and final is not None:
             targets = [self.augment_norm] + ([self.output.norm] if self.config.output_head == "linear" else [])
             for norm in targets:
                 if norm.weight.shape == final.weight.shape:
@@ -184,7 +194,7 @@ class CloverHeads(DraftHeads):
             "up_proj.weight": "mlp.up_proj.weight",
             "down_proj.weight": "mlp.down_proj.weight",
         }
-        if gemma:  # Gemma's RMSNorm scales by (1 + w): its weights do not transfer to ours.
+        if of_model(base_model).norm_plus_one:  # its norms' weights do not transfer to ours
             names = {k: v for k, v in names.items() if "layernorm" not in k}
         copied = False
         for layer in self.augment:

@@ -14,7 +14,8 @@ WEIGHTS_NAME = "model.safetensors"
 HEAD_TYPES = ("clover", "medusa")
 OUTPUT_HEADS = ("residual", "linear")
 HEAD_INPUTS = ("post_norm", "pre_norm")
-CLOVER_OPTIONS = ("head_input", "decoder_bias", "embed_from_lm_head")  # Clover-2's forms of Clover's heads
+# Clover-2's forms of Clover's heads, and EAGLE-3's fused features
+CLOVER_OPTIONS = ("head_input", "decoder_bias", "embed_from_lm_head", "feature_layers")
 # fields added after the first release: left out of config.json at their defaults (older clover-hf reads it)
 OPTIONS = ("output_head", "own_lm_heads", "medusa_num_layers", *CLOVER_OPTIONS)
 
@@ -113,6 +114,13 @@ class CloverConfig:
         metadata={"help": "Clover only: embed drafted tokens with the lm_head's rows (Clover-2's code) instead of the "
                           "base's input embeddings; the two differ where the base does not tie them."},
     )
+    feature_layers: list[int] | None = field(
+        default=None,
+        metadata={"help": "Clover only: the heads also read these decoder layers' outputs (0-based, negative from the "
+                          "end), concatenated before the last hidden state and projected to hidden_size (EAGLE-3's "
+                          "fused features, arXiv 2503.01840), e.g. [2, 15] with the last layer: a low, a middle and "
+                          "a high one. None: the last hidden state alone."},
+    )
     medusa_num_layers: int = field(
         default=1, metadata={"help": "Medusa only: residual blocks per head (Medusa-1's medusa_num_layers)."}
     )
@@ -156,6 +164,14 @@ class CloverConfig:
         for name in CLOVER_OPTIONS:
             if self.head_type != "clover" and getattr(self, name) != self.__dataclass_fields__[name].default:
                 raise ValueError(f"{name} is an option of Clover's heads, not of {self.head_type} heads: drop it")
+        if self.feature_layers is not None:
+            layers = self.feature_layers
+            if (not isinstance(layers, (list, tuple)) or not layers
+                    or any(isinstance(i, bool) or not isinstance(i, int) for i in layers)):
+                raise ValueError(f"feature_layers must be a non-empty list of decoder layer indices, got {layers!r}")
+            if len(set(layers)) != len(layers):
+                raise ValueError(f"feature_layers names a layer twice: {layers}")
+            self.feature_layers = [int(i) for i in layers]
         if self.head_type != "medusa" and self.medusa_num_layers != 1:
             raise ValueError("medusa_num_layers sets Medusa-1's residual blocks per head: use it with head_type='medusa'")
         for name in ("dynamic_tree", "accelerator_dynamic_tree"):

@@ -292,6 +292,11 @@ def _loss_words(train_cfg: dict[str, Any]) -> str | None:
         line += f"; head *i* weighted {train_cfg['head_decay']:g}^*i*"
     if train_cfg.get("init_norms_from_base"):
         line += "; the Augmenting Block's final norm started from the base's final norm"
+    if train_cfg.get("label_mask"):
+        line += (f"; positions learnt only where each token a head reads was among the base's "
+                 f"{train_cfg['label_mask']} likeliest (GRIFFIN's loss mask)")
+    if train_cfg.get("feature_layers"):
+        line += f"; the heads read decoder layers {train_cfg['feature_layers']} fused with the last hidden state"
     return line
 
 

@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from clover_hf.base.parts import norm_inputs
+from clover_hf.base.forward import fused
+from clover_hf.base.parts import layer_outputs, norm_inputs
 
 from .data import Conversation, Record
 from .packing import Example
@@ -146,21 +147,22 @@ def tokenize_records(records: list[Record], tokenizer, max_length: int, workers:
 @torch.no_grad()
 def base_targets(
     base, input_ids: torch.Tensor, top_k: int, position_ids: torch.Tensor | None = None,
-    draft_token_ids: torch.Tensor | None = None, full: bool = False, pre_norm: bool = False,
+    draft_token_ids: torch.Tensor | None = None, full: bool = False, pre_norm: bool = False, taps: tuple[int, ...] = (),
 ) -> dict[str, torch.Tensor]:
     """What the heads learn from, for token ids (B, T): the base's last hidden states `hidden` (B, T, H)
     and its next-token distribution, as its `top_k` likeliest tokens (`topk_ids`, `topk_probs`: (B, T, k))
     and, with `full`, as logits over the draft vocabulary (`target_logits`: (B, T, V'), all rows without
-    one); with `pre_norm`, the states before the final norm too (`inputs`, what such heads read). With
-    `position_ids` restarting at 0 per example, packed examples do not see each other.
+    one); with `pre_norm` or `taps`, what such heads read (`inputs`: the states before the final norm, after the
+    outputs of the decoder layers `taps`, as `forward.base_forward` gives them). With `position_ids` restarting at 0
+    per example, packed examples do not see each other.
     """
     extra = {} if position_ids is None else {"position_ids": position_ids}
-    with norm_inputs(base) if pre_norm else contextlib.nullcontext([]) as captured:
+    with norm_inputs(base) if pre_norm else contextlib.nullcontext([]) as captured, layer_outputs(base, taps) as tapped:
         out = base(input_ids=input_ids, output_hidden_states=True, use_cache=False, return_dict=True, **extra)
     top = out.logits.float().softmax(-1).topk(top_k, dim=-1)
     targets = {"hidden": out.hidden_states[-1], "topk_ids": top.indices, "topk_probs": top.values}
-    if pre_norm:
-        targets["inputs"] = captured[-1]
+    if pre_norm or taps:
+        targets["inputs"] = fused(tapped, captured[-1] if pre_norm else out.hidden_states[-1])
     if full:
         logits = out.logits if draft_token_ids is None else out.logits[..., draft_token_ids.to(out.logits.device)]
         targets["target_logits"] = logits.float()

@@ -215,7 +215,7 @@ def _train_heads(data: DataConfig, train: TrainConfig, accelerator: Accelerator,
         base_model_name_or_path=data.base_model, base_revision=data.base_revision,
         output_head=train.output_head, own_lm_heads=train.own_lm_heads, init_norms_from_base=train.init_norms_from_base,
         medusa_num_layers=train.medusa_num_layers, head_input=train.head_input, decoder_bias=train.decoder_bias,
-        embed_from_lm_head=train.embed_from_lm_head,
+        embed_from_lm_head=train.embed_from_lm_head, feature_layers=train.feature_layers,
     )
     heads = clover.clover_heads.float()
     vocab = choose_draft_vocab(features.token_counts(clover.clover_config.vocab_size), clover.clover_config.draft_vocab_size)

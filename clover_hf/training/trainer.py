@@ -71,6 +71,16 @@ class TrainConfig:
         default=None, metadata={"help": "Soft labels from the base's top-k tokens, renormalised (1: its top-1 alone, "
                                         "as cross-entropy on hard labels; None: all the k cached)."}
     )
+    label_mask: int | None = field(
+        default=None, metadata={"help": "Train head i at a position only where each token it reads after the base's "
+                                        "state was among the base's N likeliest there (1: the contexts greedy "
+                                        "decoding reaches). GRIFFIN's loss mask (arXiv 2502.11018), Clover-2's "
+                                        "label_mask. None: every position."}
+    )
+    feature_layers: list[int] | None = field(
+        default=None, metadata={"help": "Clover: the heads also read these decoder layers' outputs, fused with the "
+                                        "last hidden state (EAGLE-3, arXiv 2503.01840), e.g. 2 15; needs --online."}
+    )
     draft_vocab_size: int | None = field(default=8192, metadata={"help": "Frequent tokens to draft from (None: all)."})
     max_steps: int = field(default=1000, metadata={"help": "Optimizer steps (unless --epochs)."})
     epochs: float | None = field(
@@ -117,6 +127,8 @@ class TrainConfig:
             raise ValueError(f"train_minutes must be > 0, got {self.train_minutes}")
         if self.epochs is not None and self.epochs <= 0:
             raise ValueError(f"epochs must be > 0, got {self.epochs}")
+        if self.label_mask is not None and self.label_mask < 1:
+            raise ValueError(f"label_mask must be >= 1 (or None: no mask), got {self.label_mask}")
         if self.label_top_k is not None and self.label_top_k < 1:
             raise ValueError(f"label_top_k must be >= 1 (or None: every cached token), got {self.label_top_k}")
         if not 0.0 <= self.eval_fraction < 1.0:
@@ -139,6 +151,17 @@ def choose_draft_vocab(counts: torch.Tensor, size: int | None) -> torch.Tensor |
     return counts.topk(size).indices.sort().values
 
 
+def reached(x: torch.Tensor, topk_ids: torch.Tensor, k: int, depth: int, length: int) -> torch.Tensor:
+    """(B, length) whether, for t = 0..length-1, each of the tokens x_{t+1}..x_{t+1+depth} was among the base's `k`
+    likeliest at the position before it (`topk_ids` (B, T, k'): the base's likeliest next tokens at each position):
+    the contexts of head `depth` at t that decoding can reach (greedy, k = 1: the base's own choices)."""
+    aligned = (x[:, 1:, None] == topk_ids[:, :-1, :k]).any(-1)  # (B, T-1): x_{p+1} among the k at p
+    ok = aligned[:, :length].clone()
+    for j in range(1, depth + 1):
+        ok &= aligned[:, j : j + length]
+    return ok
+
+
 def head_losses(
     heads: DraftHeads,
     batch: dict[str, torch.Tensor],
@@ -150,12 +173,14 @@ def head_losses(
     feature_loss_weight: float,
     label_top_k: int | None = None,
     labels: str = "top_k",
+    label_mask: int | None = None,
 ) -> tuple[torch.Tensor, list[dict[str, float]]]:
     """Weighted loss over heads and per-head stats (loss, top-1 and top-5 agreement with the base).
 
     `batch` holds `input_ids`, `loss_mask`, the base's `hidden`, `topk_ids` and `topk_probs` (and
     `target_logits` for labels="full", `inputs` for heads that read the states before the final norm),
-    all (B, T, ...); with `position_ids`, rows of packed examples.
+    all (B, T, ...); with `position_ids`, rows of packed examples. With `label_mask`, head i learns at t only where
+    each token x_{t+1}..x_{t+1+i} it reads was among the base's `label_mask` likeliest (`reached`).
     """
     h, x = batch["hidden"], batch["input_ids"]  # (B, T, H), (B, T)
     inputs = batch.get("inputs", h)  # what the heads read: the same states, or those before the final norm
@@ -174,6 +199,8 @@ def head_losses(
         valid = batch["loss_mask"][:, 2 + i : 2 + i + L]
         if docs is not None:  # the target must lie in the example of t
             valid = valid & (docs[:, 2 + i : 2 + i + L] == docs[:, :L])
+        if label_mask is not None:
+            valid = valid & reached(x, batch["topk_ids"], label_mask, i, L)
         at = slice(1 + i, 1 + i + L)  # the base's state and distribution that predict x_{t+2+i}
         best = draft_index(batch["topk_ids"][:, at][valid][:, 0])  # (n,) the base's top-1
         if labels == "data":
@@ -226,10 +253,13 @@ class Trainer:
         if config.labels == "full" and not self.online:
             raise ValueError("labels='full' learns the base's whole distribution, which cached features do not keep: "
                              "train online (--online) or use labels='top_k'")
-        self.pre_norm = heads.config.head_input == "pre_norm"
+        self.pre_norm, self.taps = heads.config.head_input == "pre_norm", heads.taps
         if self.pre_norm and not self.online:
             raise ValueError("heads with head_input='pre_norm' read the base's states before its final norm, which "
                              "cached features do not keep: train online (--online)")
+        if self.taps and not self.online:
+            raise ValueError("heads with feature_layers read the outputs of the base's decoder layers, which cached "
+                             "features do not keep: train online (--online)")
         self.out = Path(config.output_dir)
         n = len(data)
         g = torch.Generator().manual_seed(config.seed)
@@ -277,16 +307,20 @@ class Trainer:
         batch = {k: v.to(self.accelerator.device) for k, v in self.data.batch(indices).items()}
         if self.online:
             targets = base_targets(self.base, batch["input_ids"], self.top_k, batch["position_ids"],
-                                   self.draft_token_ids, full=self.config.labels == "full", pre_norm=self.pre_norm)
+                                   self.draft_token_ids, full=self.config.labels == "full", pre_norm=self.pre_norm,
+                                   taps=self.taps)
             batch.update(targets, hidden=targets["hidden"].float())
-            if self.pre_norm:
+            if "inputs" in targets:
                 batch["inputs"] = targets["inputs"].float()
         return batch
 
-    def _losses(self, batch):
+    def _losses(self, batch, mask: bool = True):
+        """The loss and per-head stats of a batch: with the training's label mask (`mask`), or at every position (its
+        evaluation, comparable across masks)."""
         return head_losses(
             self.heads, batch, self.embed, self.lm_weight, self.lm_bias, self.full_to_draft,
             self.config.head_decay, self.config.feature_loss_weight, self.config.label_top_k, self.config.labels,
+            self.config.label_mask if mask else None,
         )
 
     # -- checkpoints -----------------------------------------------------------------------
@@ -333,7 +367,7 @@ class Trainer:
         self.heads.eval()
         sums = None  # per head: [loss, rank counts..., n]
         for start in range(0, len(ids), 4):
-            _, stats = self._losses(self._device_batch(ids[start : start + 4]))
+            _, stats = self._losses(self._device_batch(ids[start : start + 4]), mask=False)
             rows = torch.tensor([[st["loss"] * st["n"], *(r * st["n"] for r in st["ranks"]), st["n"]] for st in stats])
             sums = rows if sums is None else sums + rows
         self.heads.train()
