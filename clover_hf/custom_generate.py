@@ -70,7 +70,7 @@ Arguments beside `generate`'s own:
 
 - `clover_heads` (required): Clover heads trained for this base (a Hub repo id or a directory), e.g.
   trained with `clover-hf train` and pushed with `push_to_hub`; `clover_heads_revision` pins their revision.
-- `tree`, `lookup`, `lookup_max`, `budget`, `int8_draft`, `calibrate`: the draft settings of
+- `tree`, `lookup`, `lookup_max`, `budget`, `calibrate`: the draft settings of
   `CloverForCausalLM.generate` (by default the heads' own; `budget="auto"` verifies what pays on this machine).
 
 Greedy decoding and sampling run with Clover; other modes (beam search, ...) fall back to the base's own

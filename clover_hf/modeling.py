@@ -24,7 +24,7 @@ from clover_hf.base.parts import decoder_layers
 from clover_hf.core.quantized import check_readable
 from clover_hf.decode.budget import DraftBudget
 from clover_hf.decode.costs import CostModel
-from clover_hf.decode.loop import GenerationStats, clover_generate
+from clover_hf.decode.loop import INT8_DRAFT_IGNORED, GenerationStats, clover_generate
 from clover_hf.heads.config import CloverConfig
 from clover_hf.heads.base import DraftHeads
 from clover_hf.heads.build import build_heads
@@ -286,11 +286,11 @@ class CloverForCausalLM(nn.Module):
         `tree` overrides the heads' draft tree for this call (Medusa paths, or a dynamic tree as
         `{"depth": 4, "width": 4, "nodes": 16}`), `lookup` the length of the prompt-lookup chain
         verified with it (0: heads only) and `lookup_max` the length the chain doubles up to after a
-        step that accepted all of it. `int8_draft` drafts from int8 copies of the draft vocabulary's
-        lm_head rows (default: on the CPU in bf16, where it makes drafting cheaper; the output is the
-        same either way). Modes Clover does not run yet fall back
-        to the base's own `generate`, with a warning saying why.
+        step that accepted all of it. `int8_draft` is deprecated and ignored (a FutureWarning says so).
+        Modes Clover does not run yet fall back to the base's own `generate`, with a warning saying why.
         """
+        if int8_draft is not None:
+            warnings.warn(INT8_DRAFT_IGNORED, FutureWarning, stacklevel=2)
         if args:  # the base's positional arguments after generation_config (logits_processor, ...)
             kwargs.update(zip(list(inspect.signature(GenerationMixin.generate).parameters)[3:], args))
         draft_budget = self._resolve_budget(self.budget if budget is None else budget)
@@ -313,7 +313,6 @@ class CloverForCausalLM(nn.Module):
             clover_tree=tree,
             clover_lookup=lookup,
             clover_lookup_max=lookup_max,
-            clover_int8_draft=int8_draft,
             clover_budget=draft_budget,
             clover_calibrate=calibrate,
             clover_streamer=streamer,

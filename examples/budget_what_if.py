@@ -26,8 +26,8 @@ import torch
 import clover_hf.decode.acceptance as acceptance_module
 import clover_hf.decode.budget as budget_module
 import clover_hf.decode.costs as costs_module
-import clover_hf.decode.loop as decoding
 import clover_hf.decode.widths as widths_module
+from clover_hf.backends.torch_backend import TorchBackend
 from clover_hf.decode.budget import DraftBudget
 from clover_hf.decode.costs import CostModel
 from clover_hf.embedded import load_default
@@ -66,13 +66,13 @@ def main() -> None:
     costs = CostModel({1: curve}, draft_ms=draft_ms)
 
     widths: list[int] = []
-    forward = decoding.base_forward  # the verify forwards (the prefill runs in rows.py)
+    verify = TorchBackend.verify  # the verify forwards, whichever backend computes them (the prefill is apart)
 
-    def counting_forward(model, ids, *rest, **kwargs):
+    def counting_verify(self, ids, *rest):
         widths.append(ids.shape[1])
-        return forward(model, ids, *rest, **kwargs)
+        return verify(self, ids, *rest)
 
-    decoding.base_forward = counting_forward
+    TorchBackend.verify = counting_verify
     model, tokenizer = load_default(getattr(torch, args.dtype))
     budget = DraftBudget(costs=costs)
     plain_ms = clover_ms = 0.0

@@ -16,7 +16,7 @@ import contextlib
 import torch
 from transformers import AutoTokenizer
 
-import clover_hf.decode.loop as decoding
+import clover_hf.decode.call as decoding  # where `decode_context` reads `tree_attention_backends`
 from clover_hf import CloverForCausalLM
 from clover_hf.core.hardware import timed
 from clover_hf.embedded import base_model_path, shipped_heads_path

@@ -628,65 +628,6 @@ def test_the_cosine_gate_is_as_close_to_float64_as_torchs_bf16_ops(isa, built, m
         assert (got.double() - exact).abs().max() <= (by_torch.double() - exact).abs().max() + 2**-7 * exact.abs().max()
 
 
-def _dequantized(rows: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return rows.double() * scales.double()[:, None]
-
-
-@pytest.mark.parametrize("isa", BUILDS)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_the_int8_product_is_the_dequantized_product_to_bf16_rounding(isa, rows, with_bias, built, monkeypatch):
-    """int8 rows with a scale each, times bf16 rows as int16s (x's largest magnitude in 16383 steps): within a bf16 step
-    of the exact product plus the rounding of x (half a step an input), at row counts below, at and past a pass's (6
-    rows with AVX2, 8 with AVX-512), with a bias and inputs of more than two dimensions; where the CPU runs both
-    builds, the same outputs from each (the same int32 sums); a row not finite gives NaNs."""
-    monkeypatch.setattr(KERNEL, "lib", built(isa))
-    torch.manual_seed(rows)
-    from clover_hf.heads.lm_head import DraftLMHead
-
-    weight = torch.randn(96, 64, dtype=torch.bfloat16)
-    bias = torch.randn(96, dtype=torch.bfloat16) if with_bias else None
-    quantized = DraftLMHead.quantized(weight, bias)
-    product = bf16_kernel.int8_product(quantized.weight, quantized.scales, bias)
-    x = torch.randn(2, rows, 64, dtype=torch.bfloat16) * torch.logspace(-2, 1, 64).to(torch.bfloat16)
-    out = product(x)
-    w = _dequantized(quantized.weight, quantized.scales)
-    exact = x.double() @ w.T + (0 if bias is None else bias.double())
-    split = (x.double().abs().amax(-1, keepdim=True) / 16383 / 2) @ w.abs().sum(1, keepdim=True).T
-    assert out.dtype == torch.bfloat16 and out.shape == (2, rows, 96)
-    assert ((out.double() - exact).abs() <= exact.abs() * 2.0**-8 + 1.01 * split + 1e-6).all()
-    assert torch.equal(product(torch.zeros(rows, 64, dtype=torch.bfloat16)),  # no magnitude: the bias alone
-                       torch.zeros(rows, 96) if bias is None else bias.float().expand(rows, 96).bfloat16())
-    broken = x.clone()
-    broken[0, 0, 5] = float("inf")
-    assert product(broken)[0, 0].isnan().all() and torch.equal(product(broken)[1:], out[1:])
-    for other in RUNS:
-        monkeypatch.setattr(KERNEL, "lib", built(other))
-        assert torch.equal(bf16_kernel.int8_product(quantized.weight, quantized.scales, bias)(x), out)
-    with pytest.raises(TypeError, match="bf16 rows"):
-        product(x.float())
-    with pytest.raises(TypeError, match="bf16 rows"):
-        product(x[..., :60])
-
-
-def test_the_int8_product_is_left_out_where_the_shape_is_not_one_it_takes(built, monkeypatch):
-    """The int8 product takes only a multiple of 32 rows of an even number of inputs: None for others, so that torch's
-    int8 kernel computes (and where no kernel is loaded)."""
-    if not RUNS:
-        pytest.skip("no build runs on this CPU")
-    rows, scales = torch.ones(64, 16, dtype=torch.int8), torch.ones(64)
-    with monkeypatch.context() as unloaded:
-        unloaded.setattr(KERNEL, "available", lambda: False)
-        assert bf16_kernel.int8_product(rows, scales, None) is None
-    for isa in RUNS:
-        monkeypatch.setattr(KERNEL, "lib", built(isa))
-        assert bf16_kernel.int8_product(rows, scales, None) is not None
-        assert bf16_kernel.int8_product(rows[:48], scales[:48], None) is None
-        assert bf16_kernel.int8_product(rows[:, :15], scales, None) is None
-        assert bf16_kernel.int8_product(rows[:, :14], scales, None) is not None
-        assert bf16_kernel.int8_product(rows.float(), scales, None) is None
-
-
 @pytest.mark.parametrize("isa", BUILDS)
 def test_the_kernels_argmax_picks_the_indices_torch_picks(isa, built, monkeypatch):
     """Ties (the first largest), NaN (the first NaN), infinities, signed zeros, every row -inf, rows of every length

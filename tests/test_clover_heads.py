@@ -207,11 +207,14 @@ def test_rope_tables_read_from_the_position_table_are_bitwise_the_computed_ones(
             assert all(torch.equal(a, b) for a, b in zip(read, computed))
 
 
-def test_bf16_heads_draft_a_static_trees_tokens_from_int8_rows_of_the_draft_vocabulary():
+def test_bf16_heads_draft_a_static_trees_tokens_from_rows_of_the_draft_vocabulary():
     """Drafting in bf16 with the heads' products in the kernel's tiled form where it is built (the Augmenting Block's
     layers then one kernel call each, the rest the kernel's primitive ops): the features of positions fed a few at a
-    time, after which the heads can still be copied and pickled; then, from int8 draft rows, a static tree's tokens,
-    each of the draft vocabulary, one per node, for the whole tree and one cut shallower."""
+    time, after which the heads can still be copied and pickled; then, from bf16 draft rows (in the same forms, as
+    decoding's), a static tree's tokens, each of the draft vocabulary, one per node, for the whole tree and one cut
+    shallower."""
+    from dataclasses import replace
+
     from clover_hf import cpu
     from clover_hf.cpu.binding import linear_forms
     from clover_hf.cpu.linears import TILED, WeightCopies
@@ -235,7 +238,8 @@ def test_bf16_heads_draft_a_static_trees_tokens_from_int8_rows_of_the_draft_voca
     copy.deepcopy(heads)
     pickle.loads(pickle.dumps(heads))
     whole, shallow = (static_trees(heads.config.tree, "cpu", 0, depth)[0] for depth in (None, 2))
-    lm_head, embed = heads.draft_lm_head(base.get_output_embeddings(), int8=True), heads.token_embedding(base)
+    lm_head = replace(heads.draft_lm_head(base.get_output_embeddings()), forms=forms)
+    embed = heads.token_embedding(base)
     with torch.no_grad(), linear_forms([heads], forms, WeightCopies(limit=10**9)):
         for tree in (whole, shallow):
             tokens, probs = heads.draft(features[0, -1], torch.tensor(5), tree, embed, lm_head)

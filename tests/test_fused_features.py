@@ -167,10 +167,11 @@ def test_fused_heads_train_online_and_only_online(tmp_path):
 
 @pytest.mark.parametrize("isa", BUILDS)
 def test_taps_on_the_cpu_kernel_leave_the_verify_forward_as_it_was(isa, built, monkeypatch):
-    """bf16, every product in the kernel's tiled form: with taps the layers run one kernel call each (hooks read
-    their outputs) instead of all in one, and the verify forward's logits and last hidden states stay bitwise those
-    of the forward without taps; the last layer's tap is the final norm's input, bitwise."""
-    from clover_hf.base import lean_layers
+    """bf16, every product in the kernel's tiled form, the layers in kernel calls: with taps they run as one call per
+    segment cut after each tapped layer, and the verify forward's logits and last hidden states stay bitwise those
+    without taps; the taps are bitwise the layers' outputs run one call each, and the last layer's tap is the final
+    norm's input."""
+    from clover_hf.base import lean_layers, lean_stack
     from clover_hf.base.cache import new_cache
     from clover_hf.base.verify_forward import VerifyForward
     from clover_hf.cpu.binding import linear_forms
@@ -178,27 +179,44 @@ def test_taps_on_the_cpu_kernel_leave_the_verify_forward_as_it_was(isa, built, m
     from clover_hf.cpu.linears import TILED, WeightCopies
 
     monkeypatch.setattr(KERNEL, "lib", built(isa))
-    model = tiny_model("llama", dtype=torch.bfloat16, head_dim=32, num_hidden_layers=3)
+    model = tiny_model("llama", dtype=torch.bfloat16, head_dim=32, num_hidden_layers=4)
     ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(0))
     mask = torch.zeros(1, 1, 3, 9, dtype=torch.bfloat16).masked_fill(
         torch.ones(3, 9, dtype=torch.bool).triu(7), torch.finfo(torch.bfloat16).min)
+    segmented = []
+    calls = lean_stack._Segments.__call__
+    monkeypatch.setattr(lean_stack._Segments, "__call__", lambda self, *a: segmented.append(1) or calls(self, *a))
 
     def verify(taps: tuple[int, ...], pre_norm: bool = False):
-        with torch.no_grad(), lean_layers.lean_layers(model, pack=True, stacked=not taps), linear_forms(
+        with torch.no_grad(), lean_layers.lean_layers(model, pack=True, taps=taps), linear_forms(
                 [model], {1 << k: TILED for k in range(5)}, WeightCopies(limit=10**9)):
             cache = new_cache()
             model(ids[:, :6], cache=cache, use_cache=True)
             return VerifyForward(model, pre_norm, taps=taps)(ids[:, 6:9], mask, torch.arange(6, 9)[None], cache)
 
     plain, pre = verify(()), verify((), pre_norm=True)
-    fused = verify((0, 2))
+    fused = verify((0, 2, -1))
+    assert segmented  # the layers ran in segments
     width = model.config.hidden_size
-    assert fused.hidden.shape == (1, 3, 3 * width)
-    assert torch.equal(fused.logits, plain.logits) and torch.equal(fused.hidden[..., 2 * width :], plain.hidden)
-    assert torch.equal(fused.hidden[..., width : 2 * width], pre.hidden)
+    assert fused.hidden.shape == (1, 3, 4 * width)
+    assert torch.equal(fused.logits, plain.logits) and torch.equal(fused.hidden[..., 3 * width :], plain.hidden)
+    assert torch.equal(fused.hidden[..., 2 * width : 3 * width], pre.hidden)
+    monkeypatch.setattr(lean_stack._Stack, "ready", lambda self, layers: None)  # each layer in a call of its own
+    one_by_one = verify((0, 2, -1))
+    assert torch.equal(one_by_one.hidden, fused.hidden) and torch.equal(one_by_one.logits, fused.logits)
     with torch.no_grad():
         own = model(ids, output_hidden_states=True).hidden_states[1][:, 6:9]  # layer 0's output, F.linear's products
     torch.testing.assert_close(fused.hidden[..., :width], own, rtol=0.05, atol=0.05)
+
+
+def test_fused_heads_take_nothing_from_the_base_on_the_cpu_kernel():
+    """bf16 on the CPU backend, one-token steps: heads reading taps leave the base's forwards as they are, so the
+    output is bitwise that of heads reading the last hidden state alone."""
+    base = three_layers("llama", dtype=torch.bfloat16, head_dim=32)
+    ids = prompt(6, 12)
+    plain = CloverForCausalLM.from_base(base).generate(ids, max_new_tokens=24, do_sample=False, budget="one-token")
+    fused = fused_heads(base).to(torch.bfloat16)
+    assert same(fused.generate(ids, max_new_tokens=24, do_sample=False, budget="one-token"), plain)
 
 
 @pytest.mark.parametrize("arch,listed", [("llama", True), ("gpt2", True), ("gemma3_text", True), ("phi3", False)])
@@ -215,3 +233,26 @@ def test_each_family_is_read_through_its_architecture_entry(arch, listed):
     assert layers is not None and len(layers) == base.config.num_hidden_layers
     assert final_norm(base) is not None
     assert (rms_final_norm(base) is None) == (arch in ("gpt2", "gemma3_text"))  # LayerNorm; RMSNorm by (1 + w)
+
+
+def test_fused_heads_warm_start_from_heads_that_read_the_last_state_alone(tmp_path):
+    """`--init-heads` from heads without taps: every weight carries over and the fusion starts as the last hidden
+    state alone, so the new heads draft as the old ones do."""
+    from clover_hf.training.pipeline import warm_start
+
+    base = three_layers("llama")
+    plain = CloverForCausalLM.from_base(base)
+    plain.save_pretrained(tmp_path / "plain")
+    fused = CloverHeads(CloverConfig.for_base(base.config, feature_layers=TAPS))
+    warm_start(fused, str(tmp_path / "plain"))
+    ids = prompt(2)
+    with torch.no_grad():
+        _, last = base_forward(base, ids, None, None, None)
+        _, both = base_forward(base, ids, None, None, None, taps=tuple(TAPS))
+    embeds = base.get_input_embeddings()(prompt(3))
+    positions = torch.arange(10)[None]
+    assert torch.equal(fused.features(both, embeds, positions)[0],
+                       plain.clover_heads.features(last, embeds, positions)[0])
+    CloverForCausalLM(base, fused).save_pretrained(tmp_path / "fused")
+    with pytest.raises(ValueError, match="feature_layers"):  # the other way: taps the new heads would not read
+        warm_start(CloverHeads(CloverConfig.for_base(base.config)), str(tmp_path / "fused"))

@@ -116,8 +116,8 @@ def test_decoding_runs_the_layers_lean_and_matches_the_base(monkeypatch):
     counts = []
 
     @contextlib.contextmanager
-    def counted(model, pack, stacked=True):
-        with lean_layers(model, pack, stacked) as count:
+    def counted(model, pack, taps=()):
+        with lean_layers(model, pack, taps) as count:
             counts.append(count)
             yield count
 

@@ -53,7 +53,7 @@ class TorchBackend:
     def bound(self) -> Iterator[None]:
         """The call's block: the decoder layers in their lean forward where it is eager."""
         with contextlib.nullcontext() if self.compiled else lean_layers(self.model, pack=self._packs(),
-                                                                        stacked=not self.verify_forward.taps):
+                                                                        taps=self.verify_forward.taps):
             yield
 
     def _packs(self) -> bool:

@@ -250,8 +250,8 @@ class LeanForward:
             out = stack(hidden_states, attention_mask, position_embeddings, cache)
             if out is not None:
                 return out
-        elif stack is not None and hidden_states is stack.out:
-            return hidden_states  # the first layer ran them all
+        elif stack is not None and (handed := stack.hand_on(hidden_states, self.layer_idx)) is not None:
+            return handed  # the first layer ran them all
         return self.whole(hidden_states, attention_mask, position_embeddings, cache)
 
     def _self_attention(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -349,14 +349,14 @@ def _lean_matches(model: nn.Module, layer: nn.Module, pack: bool, masks: _Packed
 
 
 @contextlib.contextmanager
-def lean_layers(model: nn.Module, pack: bool = False, stacked: bool = True) -> Iterator[int]:
+def lean_layers(model: nn.Module, pack: bool = False, taps: tuple[int, ...] = ()) -> Iterator[int]:
     """Within the block, the base's decoder layers that `lean_reason` passes run `lean_forward`; yields
-    how many do. Enter it outside `cpu.linear_forms` (its trial forward would be timed there). Without `stacked`,
-    each layer runs on its own (no `_Stack`), so that hooks read each layer's output (fused heads' taps)."""
+    how many do. Enter it outside `cpu.linear_forms` (its trial forward would be timed there). `taps`: the layers
+    whose outputs the heads read (`CloverConfig.feature_layers`), which the layers all run in one call then keep."""
     layers = list(decoder_layers(model) or [])
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         layers = []
-    chosen, masks, stack = [], _PackedMasks(), _Stack() if pack and stacked else None
+    chosen, masks, stack = [], _PackedMasks(), _Stack(taps) if pack else None
     for layer in layers:
         if lean_reason(layer) is None and _lean_matches(model, layer, pack, masks):
             layer.forward = lean_forward(layer, pack, masks, fused=pack, stack=stack)

@@ -58,14 +58,39 @@ class _Held(NamedTuple):
     inference: bool  # whether any store is an inference tensor (written in inference mode only)
 
 
+class _Segments:
+    """Decoder layers as one `cpu.DecoderStack` call per segment, cut after each tapped layer (heads that read
+    several layers' outputs, `CloverConfig.feature_layers`): each tapped layer's output is kept (`tapped`)."""
+
+    def __init__(self, kernels: list, taps: tuple[int, ...]) -> None:
+        ends = sorted({t + 1 for t in taps} | {len(kernels)})
+        self.stacks = [cpu.DecoderStack(kernels[start:end]) for start, end in zip([0, *ends], ends)]
+        self.ends, self.taps = ends, taps
+        self.tapped: dict[int, torch.Tensor] = {}  # layer index -> its output in the last call
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, length: int, mask: torch.Tensor | None
+                 ) -> torch.Tensor | None:
+        """The last layer's output, as `cpu.DecoderStack`'s; None where the inputs are not of its form (every segment
+        takes the same, so none ran)."""
+        self.tapped = {}
+        for stack, end in zip(self.stacks, self.ends):
+            x = stack(x, cos, sin, length, mask)
+            if x is None:
+                return None
+            self.tapped[end - 1] = x
+        return x
+
+
 class _Stack:
     """All of a model's decoder layers in one `cpu.DecoderStack` call, made by the first layer's forward where
     each layer would run whole (`_WholeLayer`): the layers after it then hand on what they are given, the stack's
-    output (`out`). Per layer, Python's calls cost a sizeable share of a whole layer's time."""
+    output (`out`). Per layer, Python's calls cost a sizeable share of a whole layer's time. With `taps`, one call per
+    segment cut after each tapped layer, whose output that layer returns (`hand_on`), so hooks read it."""
 
-    def __init__(self) -> None:
+    def __init__(self, taps: tuple[int, ...] = ()) -> None:
+        self.taps = taps
         self.wholes: list[_WholeLayer | None] = []
-        self.stack: cpu.DecoderStack | None = None
+        self.stack: cpu.DecoderStack | _Segments | None = None
         self.key: tuple | None = None  # (form, or rows past the steady ones; the first q projection's forward, a
         # `cpu.BoundLinear`) the weights were last set for
         self.memo = BlockMemo()  # the layers' weights by rows
@@ -79,7 +104,26 @@ class _Stack:
         """Run as one where the layers added are the model's `layers`, in order, each whole."""
         if self.wholes and len(self.wholes) == len(layers) and all(
                 w is not None and w.layer_idx == i for i, w in enumerate(self.wholes)):
-            self.stack = cpu.DecoderStack([w.kernel for w in self.wholes])
+            kernels = [w.kernel for w in self.wholes]
+            taps = tuple(t % len(kernels) for t in self.taps)
+            self.stack = _Segments(kernels, taps) if taps else cpu.DecoderStack(kernels)
+
+    @property
+    def tapped(self) -> list[torch.Tensor]:
+        """The tapped layers' outputs in the last call, in the order of `taps` (none without taps)."""
+        if not isinstance(self.stack, _Segments) or self.out is None:
+            return []
+        return [self.stack.tapped[t] for t in self.stack.taps]
+
+    def hand_on(self, hidden: torch.Tensor, layer_idx: int) -> torch.Tensor | None:
+        """What a later layer returns where the first ran them all in this forward (it is given what the layer before
+        it returned): a tapped layer's own output, else the stack's; None where the stack did not run."""
+        if self.out is None:
+            return None
+        outputs = self.stack.tapped if isinstance(self.stack, _Segments) else {}
+        if hidden is not self.out and not any(hidden is t for t in outputs.values()):
+            return None
+        return outputs.get(layer_idx, self.out)
 
     def _weights(self, rows: int) -> list | None:
         """Each layer's tiled weights for `rows` rows, or None where any computes otherwise."""

@@ -179,9 +179,10 @@ class VerifyForward:
         calls = self._calls_before((tuple(ids.shape), tuple(mask.shape))) if is_static(cache) else -1
         self.settled = calls < 0 or calls >= WARM_CALLS
         if calls < 0:
-            # within `lean_layers`, where the layers all run in one kernel call (never with taps: `lean_layers`)
-            lean = None if self.taps else model_forward(self.model)
+            lean = model_forward(self.model)  # within `lean_layers`, where the layers all run in one kernel call
             out = None if lean is None else lean(ids, mask, positions, cache, self.pre_norm, self.greedy, self.top_k)
+            if out is not None and self.taps:  # the tapped layers' outputs, kept by the call running the layers
+                out = (out[0], fused(lean.stack.tapped, out[1]), *out[2:])
             self.settled = lean is None or not lean.checked  # a process's one-off checks are no step's cost
             return Verified(*(out if out is not None else base_forward(self.model, ids, mask, positions, cache,
                                                                        pre_norm=self.pre_norm, taps=self.taps)))

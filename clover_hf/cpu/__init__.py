@@ -14,7 +14,6 @@ from .kernel import (  # noqa: F401
     cosine_gate,
     DecoderLayer,
     DecoderStack,
-    int8_product,
     KeyLayout,
     norm,
     prepare,

@@ -2,7 +2,7 @@
 for the cpu package's own modules (the rest of clover_hf reaches it through `clover_hf.cpu`):
 
 - `kernel_library`: the build and loading (`KernelLibrary`, the process's one `KERNEL`) and the C functions' bindings;
-- `kernel_products`: products of a few bf16 rows by tiled bf16 weights, and by the int8 rows the heads draft from;
+- `kernel_products`: products of a few bf16 rows by tiled bf16 weights;
 - `kernel_selection`: greedy acceptance's argmax, the heads' softmax top-k, a top-k warper's cut, and an lm_head's
   argmax and top-k without computing all its logits (`Screen`);
 - `kernel_layers`: transformers' RMSNorm (alone or with the residual sum before it), rotary embedding, Clover's cosine
@@ -34,7 +34,6 @@ from .kernel_library import (  # noqa: F401
 )
 from .kernel_products import (  # noqa: F401
     fits,
-    int8_product,
     linear,
     product,
     tile,

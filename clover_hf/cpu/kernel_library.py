@@ -40,7 +40,6 @@ P, I, L, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 BINDINGS: dict[str, tuple[list, type | None]] = {
     # products.c
     "bf16_rows": ([P] * 4 + [I] * 4, I),
-    "i8_rows": ([P] * 5 + [I] * 4, I),
     # repack.c
     "screen_prepare": ([P] + [I] * 2 + [P] * 4 + [I], I),
     # norms.c

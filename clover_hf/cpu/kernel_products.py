@@ -1,5 +1,5 @@
 """The kernel's products (`kernels/products.c`): x @ weight.T (+ bias) of a few bf16 rows from the weight laid out
-in tiles (`tile`), and the product by int8 rows the heads draft from.
+in tiles (`tile`).
 
 Verify forwards multiply 1-16 rows by every weight. The kernel reads each weight byte once for a block of rows (14
 with AVX-512-BF16's bf16 pair products, 4 with AVX2, which widens the weights to float32 in registers; more rows
@@ -78,35 +78,3 @@ def linear(x: torch.Tensor, tiled: torch.Tensor, bias: torch.Tensor | None) -> t
     """F.linear(x, weight, bias) from `tile(weight)`."""
     return product(tiled, bias)(x)
 
-
-def int8_product(rows: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
-                 ) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """x @ (rows * scales[:, None]).T (+ bias) as a function of bf16 x (..., I), for int8 `rows` (O x I) with a scale
-    a row, or None where no kernel is loaded or the shape is not one it takes (O a multiple of TILE, I even). Each row
-    of x goes in as int16s (~14 bits, see `kernels/products.c`) for exact int32 sums of pair products, in one pass
-    (x split in two int8 parts would take two passes of byte products): outputs within bf16 rounding of torch's
-    `_weight_int8pack_mm`, which widens each weight, and the same from either build."""
-    out_features, in_features = rows.shape
-    if not (KERNEL.available() and out_features % TILE == 0 and in_features % 2 == 0
-            and rows.dtype == torch.int8 and rows.is_cpu):
-        return None
-    tiled = rows.detach().reshape(out_features // TILE, TILE, in_features // 2, 2).transpose(1, 2).contiguous()
-    scales = scales.detach().float().contiguous()
-    bias = None if bias is None else bias.detach().float().contiguous()
-    run, empty, bf16, threads = KERNEL.lib.i8_rows, torch.empty, torch.bfloat16, torch.get_num_threads()
-    pointers = (tiled.data_ptr(), scales.data_ptr(), 0 if bias is None else bias.data_ptr())
-
-    # `_memory`: what the pointers above point into, held as long as the function is
-    def compute(x: torch.Tensor, _memory: tuple = (tiled, scales, bias)) -> torch.Tensor:
-        if x.dtype is not bf16 or not x.is_cpu or x.shape[-1] != in_features:
-            raise TypeError(f"bf16_kernel: int8 rows of {in_features} inputs take bf16 rows of that size on the CPU, "
-                            f"not {x.dtype} {tuple(x.shape)} on {x.device}")
-        if not x.is_contiguous():
-            x = x.contiguous()
-        n = x.numel() // in_features
-        out = empty(x.shape[:-1] + (out_features,), dtype=bf16)
-        if run(x.data_ptr(), *pointers, out.data_ptr(), n, in_features, out_features, threads):
-            raise MemoryError(f"bf16_kernel: no memory to quantize {n} rows")
-        return out
-
-    return compute

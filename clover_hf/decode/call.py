@@ -58,7 +58,7 @@ class DecodeCall:
     @classmethod
     def of(cls, model: PreTrainedModel, input_ids: torch.Tensor, logits_processor: LogitsProcessorList,
            stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig, streamer, heads, tree,
-           lookup, lookup_max, stats, int8, budget, calibrate, model_kwargs: dict) -> DecodeCall:
+           lookup, lookup_max, stats, budget, calibrate, model_kwargs: dict) -> DecodeCall:
         """The call from `clover_generate`'s arguments, refusing what would fail only after decoding started."""
         if heads is None:
             raise ValueError("clover_generate needs clover_heads=CloverHeads(...) (or other DraftHeads)")
@@ -78,7 +78,7 @@ class DecodeCall:
         verify = VerifyForward(model, pre_norm, compile_settings(model, generation_config, prepared), greedy,
                                cut.k if cut is not None and cut.screens else None, heads.taps)
         plan = make_plan(model, heads, input_ids.shape[0], generation_config, stopping_criteria, tree, lookup,
-                         lookup_max, int8)
+                         lookup_max)
         backend = _backend(model, heads, verify, budget, calibrate, input_ids.shape[0], is_static(prepared))
         cache = _decode_cache(model, model_kwargs, generation_config, backend.width(plan.widest, None))
         attention_mask = model_kwargs.get("attention_mask")
@@ -136,7 +136,6 @@ class Plan:
     lookup_max: int
     embed: nn.Module  # how the heads embed tokens
     output_embeddings: nn.Module  # the base's lm_head, whose rows the heads draft from
-    int8: bool  # drafting from int8 rows of it
     max_length: int
     forms: dict[int, str]  # how linear layers multiply each row count here (the backend's)
     setting: Hashable | None = None  # the caller's tree and chain where they override the heads' own (None: the
@@ -144,9 +143,9 @@ class Plan:
 
     @functools.cached_property
     def lm_head(self) -> DraftLMHead:
-        """The lm_head rows the heads draft from, made at the first draft (int8 rows take a while to make: a short
-        first call that verifies one token a step need not pay for them)."""
-        rows = self.heads.draft_lm_head(self.output_embeddings, int8=self.int8)
+        """The lm_head rows the heads draft from, made at the first draft (a short first call that verifies one token
+        a step need not pay for them)."""
+        rows = self.heads.draft_lm_head(self.output_embeddings)
         return dataclasses.replace(rows, forms=self.forms)
 
     @property
@@ -156,8 +155,7 @@ class Plan:
 
 
 def make_plan(model: PreTrainedModel, heads: DraftHeads, batch: int, generation_config: GenerationConfig,
-              stopping_criteria: StoppingCriteriaList, tree, lookup: int | None, lookup_max: int | None,
-              int8: bool | None) -> Plan:
+              stopping_criteria: StoppingCriteriaList, tree, lookup: int | None, lookup_max: int | None) -> Plan:
     """The call's tree, lookup chain and draft rows from the arguments and the heads' config, refusing what would
     fail only after decoding started."""
     device = model.device
@@ -175,10 +173,8 @@ def make_plan(model: PreTrainedModel, heads: DraftHeads, batch: int, generation_
     depth = spec.depth if trees is None else len(trees[0].levels)
     if depth > heads.config.num_heads:
         raise ValueError(f"the tree is {depth} deep but the heads draft {heads.config.num_heads} tokens")
-    if int8 is None:  # by default only where it was measured to pay: the CPU in bf16
-        int8 = device.type == "cpu" and model.dtype == torch.bfloat16
     return Plan(heads, spec, trees, depth, lookup, lookup_max, heads.token_embedding(model),
-                model.get_output_embeddings(), int8, generation_config.max_length, {}, setting)
+                model.get_output_embeddings(), generation_config.max_length, {}, setting)
 
 
 def check_arguments(lookup: int | None, lookup_max: int | None, batch: int, generation_config: GenerationConfig,

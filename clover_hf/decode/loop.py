@@ -10,6 +10,7 @@ The loop does not know which backend computes the base's forwards (clover_hf.bac
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
@@ -26,6 +27,10 @@ from .rows import Batch, Row, start_rows
 from .stats import Clock, GenerationStats
 from .steps import accept_rows, draft, emit_rows, feed_heads, fit
 
+# `int8_draft=`: accepted for one release, with this warning, and otherwise ignored
+INT8_DRAFT_IGNORED = ("int8_draft has no effect any more and is ignored: drafting reads the lm_head's rows in the "
+                      "base's dtype, faster on the CPUs measured; see docs/budget.md")
+
 
 @decode_context
 def clover_generate(
@@ -38,11 +43,14 @@ def clover_generate(
     clover_budget: DraftBudget | None = None, clover_calibrate: bool | None = None, **model_kwargs,
 ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
     """Clover decoding, greedy or sampled (from the global torch RNG): transformers' `custom_generate` contract, with
-    the `clover_*` arguments `CloverForCausalLM.generate` documents."""
+    the `clover_*` arguments `CloverForCausalLM.generate` documents (`clover_int8_draft` is ignored, with a
+    FutureWarning)."""
+    if clover_int8_draft is not None:
+        warnings.warn(INT8_DRAFT_IGNORED, FutureWarning, stacklevel=2)
     call = DecodeCall.of(model, input_ids, logits_processor, stopping_criteria, generation_config,
                          clover_streamer if clover_streamer is not None else streamer, clover_heads, clover_tree,
-                         clover_lookup, clover_lookup_max, clover_stats, clover_int8_draft, clover_budget,
-                         clover_calibrate, model_kwargs)
+                         clover_lookup, clover_lookup_max, clover_stats, clover_budget, clover_calibrate,
+                         model_kwargs)
     plan, backend, stats = call.plan, call.backend, call.stats
     with backend.bound():
         rows, batch = prefill(call)

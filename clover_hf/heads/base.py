@@ -35,38 +35,30 @@ class DraftHeads(nn.Module):
             self.register_buffer("draft_token_ids", torch.arange(config.draft_vocab_size), persistent=True)
         else:
             self.draft_token_ids = None
-        self._lm_head_rows: tuple[list, bool, DraftLMHead] | None = None  # (sources, int8, rows)
+        self._lm_head_rows: tuple[list, DraftLMHead] | None = None  # (sources, rows)
 
     @property
     def taps(self) -> tuple[int, ...]:
         """The base's decoder layers whose outputs the heads read besides the last hidden state (`feature_layers`)."""
         return tuple(self.config.feature_layers or ())
 
-    def draft_lm_head(self, lm_head: nn.Module, int8: bool = False) -> DraftLMHead:
-        """The base lm_head restricted to the draft vocabulary (all rows without one).
+    def draft_lm_head(self, lm_head: nn.Module) -> DraftLMHead:
+        """The base lm_head restricted to the draft vocabulary (all rows without one), in the base's dtype.
 
-        `int8=True` keeps the draft-vocabulary rows as int8 with a scale per row, where the heads
-        have a draft vocabulary and the kernel takes the hidden size. On a CPU in bf16, drafting reads
-        these rows from memory at every depth of every step, their largest cost; int8 halves the read
-        (in fp32 the int8 kernel was no faster than the fp32 product, so decoding uses it in bf16).
-        A quantized lm_head (torchao's, bitsandbytes') is dequantized into the rows.
-        Drafts, and so the tokens accepted per step, may change slightly; the output does not (greedy
-        stays identical to the base's in fp32, sampling keeps its distribution). The rows are built
+        A quantized lm_head (torchao's, bitsandbytes') is dequantized into the rows. The rows are built
         once and kept until the lm_head or the draft vocabulary changes.
         """
         weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
         if self.draft_token_ids is None and plain(weight):
             return DraftLMHead(weight, bias)
-        int8 = int8 and self.draft_token_ids is not None and DraftLMHead.int8_fits(weight)
         sources = [weight, bias, self.draft_token_ids]
         memo = self._lm_head_rows
-        if memo is None or memo[1] != int8 or not unchanged(memo[0], sources):
+        if memo is None or not unchanged(memo[0], sources):
             with torch.inference_mode(False):  # kept past the call that builds them (decoding runs in inference mode)
                 ids = slice(None) if self.draft_token_ids is None else self.draft_token_ids.to(weight.device)
                 rows, bias = dense(weight).detach()[ids], None if bias is None else bias.detach()[ids]
-                rows = DraftLMHead.quantized(rows, bias) if int8 else DraftLMHead(rows, bias)
-            self._lm_head_rows = ([watch(t) for t in sources], int8, rows)
-        return self._lm_head_rows[2]
+            self._lm_head_rows = ([watch(t) for t in sources], DraftLMHead(rows, bias))
+        return self._lm_head_rows[1]
 
     def token_embedding(self, base_model: nn.Module) -> nn.Module:
         """How the heads embed tokens (the drafted ones, and those that follow each accepted position): the

@@ -1,10 +1,9 @@
 """What the heads read from the base's lm_head: its rows restricted to the draft vocabulary (`DraftLMHead`, in
-the base's dtype or as int8 rows), token embeddings read from those rows (`LMHeadEmbedding`), and the likeliest
-tokens of the logits they give (`top_probabilities`)."""
+the base's dtype), token embeddings read from those rows (`LMHeadEmbedding`), and the likeliest tokens of the logits
+they give (`top_probabilities`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -33,23 +32,14 @@ class LMHeadEmbedding(nn.Module):
 class DraftLMHead:
     """The base lm_head's rows that the heads draft from: logits = hidden @ weight.T (+ bias)."""
 
-    weight: torch.Tensor  # (V', H) in the base's dtype, or int8 rows scaled by `scales`
+    weight: torch.Tensor  # (V', H) in the base's dtype
     bias: torch.Tensor | None = None
-    scales: torch.Tensor | None = None  # (V',) per-row scales of int8 rows, in the activations' dtype
     forms: LinearForms = field(default_factory=dict)  # how each row count is computed (`linears.faster_forms`)
-    kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # int8 rows' product of bf16 rows, by `bf16_kernel`
     # the rows' copies for forms that compute from one, made at first use and shared by the copies `replace` makes
     copies: dict[str, torch.Tensor | None] = field(default_factory=dict, repr=False)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.scales is None:
-            return linear(hidden.to(self.weight.dtype), self.weight, self.bias, self.forms, self._copy)
-        if self.kernel is not None and hidden.dtype == torch.bfloat16 and hidden.is_cpu:
-            return self.kernel(hidden)
-        x = hidden.to(self.scales.dtype).reshape(-1, hidden.shape[-1]).contiguous()
-        out = torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
-        out = out.view(*hidden.shape[:-1], self.weight.shape[0])
-        return out if self.bias is None else out + self.bias
+        return linear(hidden.to(self.weight.dtype), self.weight, self.bias, self.forms, self._copy)
 
     def _copy(self, form: str) -> torch.Tensor | None:
         """The rows' copy for `form`, a form that computes from one (as the forms' layers do from theirs): without
@@ -59,25 +49,6 @@ class DraftLMHead:
             with torch.inference_mode(False):  # kept past the call that makes it, as the rows are
                 self.copies[form] = make_copy(self.weight, form)
         return self.copies[form]
-
-    @staticmethod
-    def int8_fits(weight: torch.Tensor) -> bool:
-        """Whether int8 rows serve this weight: on the CPU, in fp32 or bf16, with a hidden size that is
-        a multiple of 16. With bf16 rows and other sizes the kernel gave wrong numbers or crashed
-        (torch 2.13, AVX-512 CPU; other builds were not checked)."""
-        on_cpu = weight.device.type == "cpu"
-        return on_cpu and weight.dtype in (torch.float32, torch.bfloat16) and weight.shape[1] % 16 == 0
-
-    @classmethod
-    def quantized(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> DraftLMHead:
-        """Symmetric int8 rows, one scale per row (max |w| / 127, rounded to the weight's dtype first). In bf16 on a
-        CPU the kernel's int8 product computes them where it is built (`cpu.int8_product`), a little faster than
-        torch's int8 kernel."""
-        w = weight.float()
-        scales = (w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127).to(weight.dtype)
-        rows = (w / scales.float()[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
-        kernel = cpu.int8_product(rows, scales, bias) if cpu.serves(weight) else None
-        return cls(rows, bias, scales, kernel=kernel)
 
 
 def top_probabilities(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -180,13 +180,15 @@ def warm_start(heads: DraftHeads, source: str, keep_vocabulary: bool = False) ->
         sizes.append("draft_vocab_size")
     if ours.head_type == "clover":
         sizes += ["num_augment_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size"]
+    if ours.feature_layers and theirs.feature_layers is None:  # taps added: their fusion starts as the source reads
+        sizes.remove("feature_layers")
     for name in sizes:
         if getattr(ours, name) != getattr(theirs, name):
             raise ValueError(f"--init-heads {source} has {name}={getattr(theirs, name)} but this run builds "
                              f"{name}={getattr(ours, name)}; pass matching --head-type/--num-heads/--num-augment-layers or drop --init-heads")
     state = {k: v for k, v in start.state_dict().items() if keep_vocabulary or k != "draft_token_ids"}
     missing, unexpected = heads.load_state_dict(state, strict=False)
-    if unexpected or set(missing) - {"draft_token_ids"}:
+    if unexpected or set(missing) - {"draft_token_ids", "fuse.weight"}:
         raise ValueError(f"--init-heads {source} does not fit this run: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 

@@ -3,7 +3,7 @@
  * and the functions one source calls in another (INTERNAL ones stay out of the library's exported symbols).
  *
  * The sources, built together by clover_hf/cpu/kernel_library.py into one shared library per instruction set:
- *   products.c    y = x @ w.T (+ bias) for a few rows of bf16 x by tiled bf16 weights, and by int8 weights
+ *   products.c    y = x @ w.T (+ bias) for a few rows of bf16 x by tiled bf16 weights
  *   repack.c      the lm_head's int8 copy that the screen reads
  *   norms.c       RMSNorm (alone, or with the residual sum before it), rotary embedding, SwiGLU's silu * up and
  *                 Clover's cosine gate
@@ -148,10 +148,6 @@ struct step_args {
 /* products.c */
 int bf16_rows(const uint16_t* x, const uint16_t* wb, const float* bias, uint16_t* y, int R, int I, int O,
               int threads);
-int i8_rows(const uint16_t* x, const int8_t* wq, const float* w_scales, const float* bias, uint16_t* y, int R, int I,
-            int O, int threads);
-INTERNAL int quantize_most(int I);
-INTERNAL float quantize_row(const uint16_t* x, int I, int most, int16_t* xq);
 
 /* norms.c */
 INTERNAL void norm_row(const uint16_t* xr, const uint16_t* w, uint16_t* yr, int D, float eps);

@@ -212,6 +212,30 @@ long top_k_columns(const float* x, long stride, int R, int n, int k, const int64
  * from 4 rows it gains less. */
 #define SCREEN_SHIFT 20 /* float32's rounding of a bound (a few of its 2^-24) allowed as 2^-20 of its magnitude */
 
+/* the largest |xq| for rows of I inputs, so that no int32 sum of I products by int8 weights overflows */
+static int quantize_most(int I) {
+    int most = (int)(2147483647.0 / (127.0 * I));
+    return most > 16383 ? 16383 : most;
+}
+
+/* x (I bf16s) as int16s: xq = round(x / step), |xq| <= most, step = x's largest magnitude / most (1 where it is 0).
+ * Returns step, or -1 (xq not written) where x is not finite. */
+static float quantize_row(const uint16_t* x, int I, int most, int16_t* xq) {
+    float top = 0.0f;
+    for (int i = 0; i < I; i++) {
+        float v = fabsf(bf16_to_float(x[i]));
+        if (!(v < INFINITY))
+            return -1.0f;
+        top = v > top ? v : top;
+    }
+    float step = top > 0.0f ? top / (float)most : 1.0f;
+    for (int i = 0; i < I; i++) {
+        long q = lrintf(bf16_to_float(x[i]) / step);
+        xq[i] = (int16_t)(q > most ? most : q < -most ? -most : q);
+    }
+    return step;
+}
+
 /* Row x quantized (`quantize_row`) and the coefficients of its bound: every column c's exact sum x . w_c lies within
  * coef[0] * resid[c] + coef[1] * norms[c] of step * scale_c * (xq . q_c), where resid[c] >= |w_c - scale_c q_c| and
  * norms[c] >= |w_c| (Euclidean norms): with d = x - step xq, x . w - (step xq) . (scale q) = x . (w - scale q) +
