@@ -6,7 +6,7 @@ off the cost model: speedup = plain decoding's cost (one 1-token forward per tok
 (each step's forward at its width, plus drafting where the heads drafted).
 
     python examples/budget_what_if.py --dtype float32 --limit 20
-    python examples/budget_what_if.py --dtype float32 --limit 20 --set RECENT_RANGE=1,1   # no recent factor
+    python examples/budget_what_if.py --dtype float32 --limit 20 --set PRIOR_WEIGHT=8   # slower-learning buckets
 
 `--set NAME=VALUE` overrides a constant of the draft budget's modules (`clover_hf.decode.budget`, `.costs`,
 `.acceptance`, `.widths`; comma-separated values make a tuple).

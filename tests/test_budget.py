@@ -126,35 +126,11 @@ def test_acceptance_learns_per_bucket():
     assert before[0] == 1.0 and before[1] == pytest.approx(0.95) and before[2] == pytest.approx(0.05)
     for _ in range(50):  # the confident depth-1 head node is never right; the chain always is
         model.observe(buckets, parents, accepted=[0, 4, 5])
-    model.start_text()  # a new text: only what the buckets learnt is left
     after = model.rates(buckets)
     assert after[1] < 0.05 and after[4] > 0.95 and after[5] > 0.95
     assert after[3] == pytest.approx(before[3])  # never tried: its parent (node 1) was never accepted
     untried = model.rates(model.buckets([2], [0.95], [False], 0))
     assert untried == [pytest.approx(0.95)]  # another bucket keeps its prior
-
-
-def test_recent_factor_follows_the_text_per_source():
-    model = AcceptanceModel(depth=2, chain=4)
-    depths, parents = [0, 1, 1, 2], [0, 0, 0, 2]
-    buckets = model.buckets(depths, [1.0, 0.15, 1.0, 1.0], [False, False, True, True], ngram=1)
-    for _ in range(100):  # earlier texts: the head node failed half the time, the chain held (its second node not)
-        model.observe(buckets, parents, accepted=[0, 1, 2])
-        model.observe(buckets, parents, accepted=[0, 2])
-    model.start_text()
-    base = model.rates(buckets)
-    for _ in range(10):  # this text: the chain's first node always fails, the head node always holds
-        model.observe(buckets, parents, accepted=[0, 1])
-    heads, chain = model.recent_factors()
-    assert heads > 1.3 and chain < 0.5
-    now = model.rates(buckets)
-    assert now[1] > base[1] and now[2] < base[2] and now[3] < base[3]  # untried chain depth 2 follows its source
-    assert now[0] == 1.0 and max(now[1:]) <= 0.99
-    for _ in range(200):  # plain steps (nothing tried): the factors drift back towards 1
-        model.observe([-1], [0], accepted=[0])
-    assert model.recent_factors() == pytest.approx((1.0, 1.0), abs=0.05)
-    model.start_text()
-    assert model.recent_factors() == (1.0, 1.0)
 
 
 def test_path_chances_multiply_along_paths():

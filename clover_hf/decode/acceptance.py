@@ -7,10 +7,7 @@ from __future__ import annotations
 
 HEAD_BINS = 10  # the heads' probabilities are calibrated in this many equal bins per depth
 PRIOR_WEIGHT = 2.0  # a bucket's prior counts as this many observed nodes
-RECENT_DECAY = 0.98  # per verify step, the weight the text's earlier steps keep in its recent-acceptance factor
-RECENT_PRIOR = 4.0  # the recent factor starts as if this many nodes had been accepted as expected
-RECENT_RANGE = (0.25, 4.0)  # bounds of the recent factor
-MAX_RATE = 0.99  # a scaled rate stays below 1: no drafted node is ever certain
+MAX_RATE = 0.99  # a rate stays below 1: no drafted node is ever certain
 
 
 class AcceptanceModel:
@@ -20,11 +17,6 @@ class AcceptanceModel:
     length of the n-gram that found the chain and its depth in the chain. Each bucket starts from a
     prior (the bin's probability; for chains, more for longer n-grams) and learns from every node
     verified under an accepted parent.
-
-    Texts differ: one copies its prompt for a while, another is new wording the heads rarely guess.
-    So each source (heads, chain) also carries a recent factor, accepted / expected over the current
-    text's last steps (decaying by `RECENT_DECAY` a step), that scales its buckets' rates;
-    `start_text` resets it when a `generate` call begins.
 
     It counts on the host in plain Python: a step's tree has tens of nodes, and torch's overhead per
     operation on such small tensors made this bookkeeping a visible share of a plain decoding step.
@@ -37,22 +29,9 @@ class AcceptanceModel:
         self.prior = head_prior + chain_prior
         self.hits = [0.0] * len(self.prior)
         self.trials = [0.0] * len(self.prior)
-        self.recent = [[0.0, 0.0], [0.0, 0.0]]  # (heads, chain) x (accepted, expected)
-
-    def start_text(self) -> None:
-        """Forget the recent factor: a new text begins."""
-        self.recent = [[0.0, 0.0], [0.0, 0.0]]
-
-    def recent_factors(self) -> tuple[float, float]:
-        """Accepted / expected over recent steps, for the heads' nodes and the chain's."""
-        low, high = RECENT_RANGE
-        return tuple(min(max((a + RECENT_PRIOR) / (e + RECENT_PRIOR), low), high) for a, e in self.recent)
 
     def _base_rate(self, bucket: int) -> float:
         return (self.hits[bucket] + PRIOR_WEIGHT * self.prior[bucket]) / (self.trials[bucket] + PRIOR_WEIGHT)
-
-    def _is_chain(self, bucket: int) -> bool:
-        return bucket >= self.depth * HEAD_BINS
 
     def buckets(self, depths: list[int], probs: list[float], is_chain: list[bool], ngram: int) -> list[int]:
         """The bucket of each node of a drafted tree, from its depth, the heads' probability and whether
@@ -69,29 +48,22 @@ class AcceptanceModel:
         return out
 
     def rates(self, buckets: list[int]) -> list[float]:
-        """Each bucket's chance, scaled by its source's recent factor; -1 (the root) is certain."""
-        factors = self.recent_factors()
-        return [1.0 if b < 0 else min(self._base_rate(b) * factors[self._is_chain(b)], MAX_RATE) for b in buckets]
+        """Each bucket's chance; -1 (the root) is certain."""
+        return [1.0 if b < 0 else min(self._base_rate(b), MAX_RATE) for b in buckets]
 
     def observe(self, buckets: list[int], parents: list[int], accepted: list[int]) -> None:
         """Count a verified tree's nodes whose parent was accepted, and which of them were: `buckets`
         and `parents` per node, `accepted` the accepted nodes' indices (root first)."""
-        for source in self.recent:
-            source[0] *= RECENT_DECAY
-            source[1] *= RECENT_DECAY
         if len(buckets) == 1:  # a plain decoding step: nothing was tried
             return
         on_path = [False] * len(buckets)
         for node in accepted:
             on_path[node] = True
         tried = [node for node in range(1, len(buckets)) if buckets[node] >= 0 and on_path[parents[node]]]
-        for node in tried:  # expected from the rates before this step's counts
-            self.recent[self._is_chain(buckets[node])][1] += self._base_rate(buckets[node])
         for node in tried:
             self.trials[buckets[node]] += 1.0
             if on_path[node]:
                 self.hits[buckets[node]] += 1.0
-                self.recent[self._is_chain(buckets[node])][0] += 1.0
 
 
 def path_chances(rates: list[float], parents: list[int]) -> list[float]:

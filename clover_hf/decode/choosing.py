@@ -73,7 +73,6 @@ class StepBudget:
         if costs is None:
             return None
         acceptance = budget.acceptance(sample, depth, lookup_max)
-        acceptance.start_text()
         explore = [] if budget.fixed is not None else costs.untimed(rows, widest)
         return cls(budget, key, costs, acceptance, depth, lookup_max, explore, rows, setting, forms_settled)
 
