@@ -46,7 +46,7 @@ def layer_outputs(base_model: nn.Module, taps: tuple[int, ...]) -> Iterator[list
         raise ValueError(f"heads with feature_layers read the base's decoder layers, and {type(base_model).__name__} "
                          "has none that clover-hf finds (base/architectures.py says where each family keeps them)")
     captured: list[torch.Tensor | None] = [None] * len(taps)
-    handles = [layers[i].register_forward_hook(functools.partial(_grab_output, captured, at))
+    handles = [layers[i].register_forward_hook(functools.partial(grab_layer_output, captured, at))
                for at, i in enumerate(taps)]
     try:
         yield captured
@@ -55,7 +55,8 @@ def layer_outputs(base_model: nn.Module, taps: tuple[int, ...]) -> Iterator[list
             handle.remove()
 
 
-def _grab_output(captured: list, at: int, module: nn.Module, args, out) -> None:
+def grab_layer_output(captured: list, at: int, module: nn.Module, args, out) -> None:
+    """A forward hook's body: the decoder layer's output (its hidden states) into `captured[at]`."""
     captured[at] = out[0] if isinstance(out, tuple) else out
 
 

@@ -22,7 +22,7 @@ from transformers import CompileConfig, GenerationConfig, PreTrainedModel
 from .cache import cache_keyword, is_static
 from .forward import base_forward, fused, last_hidden
 from .lean_layers import model_forward
-from .parts import decoder_layers, final_norm
+from .parts import decoder_layers, final_norm, grab_layer_output
 
 BUCKETS = (1, 4, 16, 64, 160, 256)  # tree widths a compiled forward is padded to (wider: multiples of the last);
 # 160 holds an accelerator's 128-node dynamic tree with its lookup chain
@@ -82,12 +82,12 @@ class _Compiled:
             self.last[:] = [None] * len(self.last)
 
 
-def _grab_input(last: list, at: int, module, args) -> None:
-    last[at] = args[0]
+def _grab_input(last: list, module, args) -> None:
+    last[0] = args[0]
 
 
-def _grab_output(last: list, at: int, module, args, out) -> None:
-    last[at] = last_hidden(out) if at == 0 else (out[0] if isinstance(out, tuple) else out)
+def _grab_output(last: list, module, args, out) -> None:
+    last[0] = last_hidden(out)
 
 
 def _logits_and_last(model: PreTrainedModel, keyword: str, last: list, ids, mask, positions, cache):
@@ -125,8 +125,8 @@ def _compiled(model: PreTrainedModel, config: CompileConfig, pre_norm: bool, tap
         fn = torch.compile(forward, fullgraph=config.fullgraph, dynamic=bool(config.dynamic), backend=config.backend,
                            mode=config.mode if inductor and not config.options else None, options=config.options,
                            **_recompile_options())
-        hooks = [(module, pre_norm, functools.partial(_grab_input if pre_norm else _grab_output, last, 0))]
-        hooks += [(layers[i], False, functools.partial(_grab_output, last, at + 1)) for at, i in enumerate(taps)]
+        hooks = [(module, pre_norm, functools.partial(_grab_input if pre_norm else _grab_output, last))]
+        hooks += [(layers[i], False, functools.partial(grab_layer_output, last, at + 1)) for at, i in enumerate(taps)]
         per_model[(settings, pre_norm, taps)] = _Compiled(fn, hooks, last)
     return per_model[(settings, pre_norm, taps)]
 

@@ -115,7 +115,8 @@ def sample_columns(
     tree: TreeBuffers | StepTree,
     cut: TopKCut,
     columns: torch.Tensor | None = None,  # (C,) the vocabulary ids of `logits`' columns, ascending; None: all of them
-    top_k: Callable[[torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None] | None = None,  # the backend's top-k cut (`TorchBackend.top_k_columns`); None: torch's
+    # the backend's top-k cut (`TorchBackend.top_k_columns`); None: torch's
+    top_k: Callable[[torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Each node's sampling distribution over the columns its top-k `cut` leaves some node, with the node tokens:
     (probs (N, C), their token ids (C,) ascending, each node token's column (N,)). It is `process_tree_logits(...)
