@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from clover_hf.backends import FormBook
 from clover_hf.cpu import kernel as bf16_kernel
 from clover_hf.cpu import kernel_layers, kernel_library
 from clover_hf.cpu.binding import linear_forms
@@ -192,15 +193,14 @@ def test_clover_decodes_with_tiled_verify_forwards(monkeypatch):
     patch_kernel(monkeypatch, "product", counted)
     clover = CloverForCausalLM.from_base(tiny_model("llama", dtype=torch.bfloat16), lookup_tokens=3)
     costs = CostModel.from_function(lambda rows, width: 10.0, draft_ms=0.0)  # the whole tree every step
-    costs.forms = {1 << k: TILED for k in range(9)}
-    budget = DraftBudget(costs=costs)
+    budget = DraftBudget(costs=costs, forms={1 << k: TILED for k in range(9)})
     ids = prompt(4)
     # logits kept: the lm_head's product runs each step (greedy choices alone would come from its screen)
     out = clover.generate(ids, max_new_tokens=30, do_sample=False, budget=budget, output_logits=True,
                           return_dict_in_generate=True).sequences
     assert out.shape == (1, ids.shape[1] + 30) and torch.equal(out[:, :ids.shape[1]], ids)
     assert clover.generation_stats.verified_per_step > 2
-    assert budget.copies.nbytes > 0 and max(calls) > 2 and len(calls) > 30
+    assert FormBook.of(budget).copies.nbytes > 0 and max(calls) > 2 and len(calls) > 30
 
 
 def test_without_a_compiler_the_kernel_is_left_out_with_torchs_kernels_computing(tmp_path, monkeypatch, caplog):
@@ -225,7 +225,7 @@ def test_without_a_compiler_the_kernel_is_left_out_with_torchs_kernels_computing
 
 @needs_kernel
 def test_the_kernel_is_built_once_into_the_cache_and_loaded_from_there(tmp_path, monkeypatch):
-    from clover_hf.decode.costs import cost_key
+    from clover_hf.backends import cost_key
 
     monkeypatch.setattr(KERNEL, "lib", None)
     monkeypatch.setattr(KERNEL, "build_id", None)
@@ -813,7 +813,7 @@ def test_where_torch_has_no_bf16_products_a_first_call_takes_the_tiled_forms_wit
     are made; where oneDNN computes bf16, or in float32, the forms are learnt as before."""
     import clover_hf.cpu.linears as linears
     from clover_hf import CloverForCausalLM, DraftBudget
-    from clover_hf.decode.costs import load_costs
+    from clover_hf.backends import FormBook
 
     from .tiny import prompt
 
@@ -821,9 +821,10 @@ def test_where_torch_has_no_bf16_products_a_first_call_takes_the_tiled_forms_wit
     clover = CloverForCausalLM.from_base(tiny_model("llama", dtype=torch.bfloat16))
     budget = DraftBudget(cache_dir=tmp_path)
     clover.generate(prompt(4), max_new_tokens=8, do_sample=False, budget=budget)
-    (key, costs), = budget._costs.items()
-    assert costs.forms == {1 << k: TILED for k in range(9)} and not costs.pending and not budget._trials
-    assert budget.copies.nbytes > 0 and load_costs(key, tmp_path).forms == costs.forms
+    book = FormBook.of(budget)
+    (key, stored), = book._machines.items()
+    assert stored.forms == {1 << k: TILED for k in range(9)} and not stored.pending and not book._trials
+    assert book.copies.nbytes > 0 and FormBook(cache_dir=tmp_path).stored(key).forms == stored.forms
     assert linears.evident_forms([clover.base_model], 0) is None  # the copies must fit
     monkeypatch.setattr(linears, "onednn_serves", lambda dtype: True)
     assert linears.evident_forms([clover.base_model], 10**9) is None
@@ -1295,10 +1296,11 @@ def test_greedy_decoding_reads_the_lm_heads_screen_and_emits_the_same_tokens(arc
     clover, _ = random_heads(base, lookup_tokens=3)
     clover = clover.to(torch.bfloat16)
     costs = CostModel.from_function(lambda rows, width: 10.0, draft_ms=0.0)  # the whole tree every step
-    costs.forms = {1 << k: TILED for k in range(9)}
+    forms = {1 << k: TILED for k in range(9)}
 
     def run(**kwargs):
-        return clover.generate(prompt(4), max_new_tokens=24, do_sample=False, budget=DraftBudget(costs=costs), **kwargs)
+        return clover.generate(prompt(4), max_new_tokens=24, do_sample=False, budget=DraftBudget(costs=costs, forms=forms),
+                               **kwargs)
 
     settled = _verify_settled(monkeypatch)
     got = run()
@@ -1354,12 +1356,12 @@ def test_sampling_through_a_top_k_cut_reads_the_lm_heads_screen_and_draws_the_sa
     clover, _ = random_heads(base, lookup_tokens=3)
     clover = clover.to(torch.bfloat16)
     costs = CostModel.from_function(lambda rows, width: 10.0, draft_ms=0.0)  # the whole tree every step
-    costs.forms = {1 << k: TILED for k in range(9)}
+    forms = {1 << k: TILED for k in range(9)}
 
     def run(**kwargs):
         torch.manual_seed(7)
         return clover.generate(prompt(4), max_new_tokens=24, do_sample=True, temperature=0.8, top_k=6, top_p=0.9,
-                               min_p=0.02, budget=DraftBudget(costs=costs), **kwargs)
+                               min_p=0.02, budget=DraftBudget(costs=costs, forms=forms), **kwargs)
 
     settled = _verify_settled(monkeypatch)
     got = run()
@@ -1407,13 +1409,13 @@ def test_batched_sampling_through_the_screen_draws_what_the_whole_logits_draw(mo
     clover, _ = random_heads(base, lookup_tokens=3)
     clover = clover.to(torch.bfloat16)
     costs = CostModel.from_function(lambda rows, width: 10.0, draft_ms=0.0)
-    costs.forms = {1 << k: TILED for k in range(9)}
+    forms = {1 << k: TILED for k in range(9)}
     ids = torch.cat([prompt(4), prompt(5)])
 
     def run():
         torch.manual_seed(7)
         return clover.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=True,
-                               temperature=0.8, top_k=6, pad_token_id=0, budget=DraftBudget(costs=costs))
+                               temperature=0.8, top_k=6, pad_token_id=0, budget=DraftBudget(costs=costs, forms=forms))
 
     got = run()
     assert screened and max(screened) > 2  # rows of both texts, several tokens each

@@ -12,6 +12,9 @@ import pytest
 import torch
 
 from clover_hf import CloverForCausalLM, CostModel, DraftBudget
+from clover_hf.backends import FormBook
+from clover_hf.backends.kernel_forms import MachineForms, basis
+from clover_hf.backends.keys import machine_key
 from clover_hf.core.hardware import native_bf16_cpu
 from clover_hf.cpu.dtype import default_dtype
 from clover_hf.decode.acceptance import HEAD_BINS, AcceptanceModel, path_chances
@@ -68,7 +71,7 @@ def test_budget_learns_unknown_costs_from_steps_and_times_them_only_when_asked(t
         return {2: "transposed"}
 
     budget = DraftBudget(cache_dir=tmp_path)
-    assert budget.forms("m", None, forms) == {2: "transposed"} and len(planned) == 1  # the forms come first
+    assert FormBook.of(budget).forms("m", None, forms) == {2: "transposed"} and len(planned) == 1
     costs = budget.costs("m", rows=1, limit=11, measure=measure, calibrate=None)
     assert calls == [] and costs.untimed(1, 11) == [1, 2, 3, 4, 6, 8, 11]  # nothing timed: the steps will learn them
     for width in (1, 2, 3):  # three steps of a call learn three widths
@@ -76,41 +79,52 @@ def test_budget_learns_unknown_costs_from_steps_and_times_them_only_when_asked(t
     assert costs.untimed(1, 11) == [4, 6, 8, 11] and costs.untimed(2, 11)[0] == 1  # per batch size
     budget.save("m")
     fresh = DraftBudget(cache_dir=tmp_path)  # a new process reads the cache
-    assert fresh.forms("m", None, forms) == {2: "transposed"} and len(planned) == 1
+    assert FormBook.of(fresh).forms("m", None, forms) == {2: "transposed"} and len(planned) == 1
     again = fresh.costs("m", 1, 11, measure, None)
     assert calls == [] and again.ms == {1: {1: 11.0, 2: 12.0, 3: 13.0}} and again.untimed(1, 11) == [4, 6, 8, 11]
     forced = DraftBudget(cache_dir=tmp_path)
-    forced.forms("m", True, forms)
+    FormBook.of(forced).forms("m", True, forms)
     timed = forced.costs("m", 1, 11, measure, calibrate=True)
     assert calls[0] == 1 and sorted(set(calls)) == [1, 2, 3, 4, 6, 8, 11]  # warm-up, then each calibrated width
     assert len(calls) == 1 + 7 + 4 and len(planned) == 2  # forced: forms and every width, up to 4 twice
     assert timed.predict(1, 11) == 26.0 and timed.predict(1, 4) == 14.0  # narrow widths: the faster of two
     calls.clear()
     skipped = DraftBudget(cache_dir=tmp_path)
-    assert skipped.forms("other", False, forms) == {} and skipped.costs("other", 1, 11, measure, False) is None
+    assert FormBook.of(skipped).forms("other", False, forms) == {} and skipped.costs("other", 1, 11, measure, False) is None
     assert calls == [] and len(planned) == 2  # skipped: nothing measured, and without stored costs no budget
 
 
 def test_costs_stored_before_linear_forms_were_chosen_are_learnt_again(tmp_path):
     save_costs("m", CostModel({1: {1: 50.0, 4: 90.0, 8: 95.0}}), tmp_path)
-    assert load_costs("m", tmp_path).forms is None
+    assert load_costs("m", tmp_path).basis is None
     budget = DraftBudget(cache_dir=tmp_path)
-    assert budget.forms("m", None, lambda _: {4: "float32"}) == {4: "float32"}
+    book = FormBook.of(budget)
+    assert book.forms("m", None, lambda _: {4: "float32"}) == {4: "float32"}
+    budget.rebase("m", basis({4: "float32"}))
     costs = budget.costs("m", 1, 8, lambda w: pytest.fail("timed up front"), None)
     assert costs.ms == {} and costs.untimed(1, 8) == [1, 2, 3, 4, 6, 8]
-    assert load_costs("m", tmp_path).forms == {4: "float32"}
+    assert FormBook(cache_dir=tmp_path).stored("m").forms == {4: "float32"}  # kept for the next process
 
 
 def test_forms_that_change_on_recalibration_drop_curves_timed_under_the_old_ones(tmp_path):
     budget = DraftBudget(cache_dir=tmp_path)
+    book = FormBook.of(budget)
     measure = lambda width: 10.0 + width  # noqa: E731
-    budget.forms("m", None, lambda _: {4: "transposed"})
+
+    def forms(calibrate, measured, keep=False):
+        chosen = book.forms("m", calibrate, lambda _: measured)
+        budget.rebase("m", basis(chosen), keep)
+        return chosen
+
+    forms(None, {4: "transposed"})
     budget.costs("m", 2, 4, measure, True)
-    assert budget.forms("m", None, lambda _: {2: "transposed"}) == {4: "transposed"}  # stored forms kept
+    assert forms(None, {2: "transposed"}) == {4: "transposed"}  # stored forms kept
     assert set(budget.costs("m", 1, 4, measure, True).ms) == {1, 2}
-    assert budget.forms("m", True, lambda _: {4: "transposed"}) == {4: "transposed"}  # the same again: curves kept
+    assert forms(True, {4: "transposed"}) == {4: "transposed"}  # the same again: curves kept
     assert set(budget.costs("m", 1, 4, measure, None).ms) == {1, 2}
-    budget.forms("m", True, lambda _: {8: "float32"})
+    forms(True, {8: "float32"}, keep=True)  # forms still being learnt: curves kept
+    assert set(budget.costs("m", 1, 4, measure, None).ms) == {1, 2}
+    forms(True, {8: "transposed"})
     assert set(budget.costs("m", 1, 4, measure, True).ms) == {1}
 
 
@@ -422,7 +436,7 @@ def test_auto_budget_learns_its_costs_in_the_first_call_and_stays_exact(tmp_path
     monkeypatch.setenv("CLOVER_HF_CACHE", str(tmp_path))
     # the forms timed apart, as where batches or calibrate=True time them: the costs alone are learnt from the
     # steps (forms learnt from products make the first steps provisional: see test_form_trials)
-    monkeypatch.setattr(DraftBudget, "form_trials", lambda self, *args: None)
+    monkeypatch.setattr(FormBook, "form_trials", lambda self, *args: None)
     # a tiny model's steps take a millisecond or two: one hiccup (a CI run timed a 6-token step at 3x a one-token
     # one) would end the exploring early, by the rule test_first_steps_stop_learning_wider_widths... checks
     monkeypatch.setattr("clover_hf.decode.choosing.EXPLORE_LIMIT", float("inf"))
@@ -481,12 +495,12 @@ def test_one_token_steps_verify_one_token_in_the_forms_auto_uses(arch, tmp_path)
     ids = prompt(3)
     ref = base.generate(ids, max_new_tokens=24, do_sample=False)
     clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
-    clover._draft_budget = DraftBudget(costs=FLAT)
-    clover._draft_budget.fixed.forms = {2: "transposed"}
+    clover._draft_budget = DraftBudget(costs=FLAT, forms={2: "transposed"})
     assert same(clover.generate(ids, max_new_tokens=24, do_sample=False), ref)
     assert clover.generation_stats.verified_per_step > 1.5  # "auto" drafts where verifying more costs nothing
     one = clover._resolve_budget("one-token")
-    assert one.widest == 1 and one.copies is clover._draft_budget.copies and one.fixed is clover._draft_budget.fixed
+    assert one.widest == 1 and one.fixed is clover._draft_budget.fixed
+    assert FormBook.of(one) is FormBook.of(clover._draft_budget)  # the same forms and weight copies
     assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget="one-token"), ref)
     stats = clover.generation_stats
     assert stats.verified_per_step == 1.0 and stats.head_drafts == 0 and stats.steps == 24
@@ -500,9 +514,10 @@ def test_weight_copies_setting_is_checked_and_keys_the_costs():
         DraftBudget(weight_copies=-1)
     with pytest.raises(ValueError, match="widest"):
         DraftBudget(widest=0)
-    assert DraftBudget(weight_copies=False).copy_limit() == 0 and DraftBudget(weight_copies=123).copy_limit() == 123
-    assert DraftBudget().copy_limit() > 0  # half of the memory available
-    assert DraftBudget().key_suffix() != DraftBudget(weight_copies=False).key_suffix()
+    assert FormBook(weight_copies=False).copy_limit() == 0 and FormBook(weight_copies=123).copy_limit() == 123
+    assert FormBook().copy_limit() > 0  # half of the memory available
+    model = tiny_model("llama")
+    assert machine_key(model, True) != machine_key(model, False)
 
 
 def test_first_steps_stop_learning_wider_widths_once_one_costs_three_one_token_steps():
@@ -589,13 +604,12 @@ def test_full_budget_verifies_the_whole_tree_in_the_forms_auto_uses():
     ref = base.generate(ids, max_new_tokens=20, do_sample=False)
     clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
     steep = CostModel.from_function(lambda rows, width: 10.0 * rows * width, draft_ms=5.0)  # "auto" would not draft
-    steep.forms = {n: "float32_copy" for n in (2, 4, 8, 16, 32, 64)}
-    clover._draft_budget = DraftBudget(costs=steep)
+    clover._draft_budget = DraftBudget(costs=steep, forms={n: "float32_copy" for n in (2, 4, 8, 16, 32, 64)})
     full = clover._resolve_budget("full")
-    assert not full.cut and full.copies is clover._draft_budget.copies and clover._draft_budget.cut
+    assert not full.cut and FormBook.of(full) is FormBook.of(clover._draft_budget) and clover._draft_budget.cut
     assert same(clover.generate(ids, max_new_tokens=20, do_sample=False, budget="full"), ref)
     assert clover.generation_stats.verified_per_step > len(clover.clover_config.tree) / 2  # the whole tree, uncut
-    assert clover._draft_budget.copies.nbytes > 0  # multiplied from the budget's float32 copies
+    assert FormBook.of(clover._draft_budget).copies.nbytes > 0  # multiplied from the budget's float32 copies
     assert same(clover.generate(ids, max_new_tokens=20, do_sample=False), ref)
     assert clover.generation_stats.verified_per_step < 2  # "auto" cuts where verifying costs a forward a token
 
@@ -704,26 +718,33 @@ def test_a_first_timing_of_a_width_counts_at_most_twice_what_narrower_widths_pre
     assert alone.ms[1][4] == 60.0
 
 
-def test_forms_whose_verify_costs_exceed_a_wider_row_count_in_the_copy_form_switch_to_it():
+def test_forms_whose_verify_costs_exceed_a_wider_row_count_in_the_copy_form_switch_to_it(tmp_path):
     """Timed verify forwards that show a row count's form dearer than a wider one's copy form (float32 on the
     AVX-512-bf16 EPYC: W @ x.T at 2-6 tokens 28.9-40.9 ms, oneDNN's blocked layout at 8 tokens 28.4) switch it to the
     copy form, and drop its widths' costs (every row count's) to be timed again; forms still pending, forms without a
     copy form, and curves without an inversion stay."""
     forms = {1: "packed", 2: "transposed", 4: "transposed", 8: "packed", 16: "packed"}
     curve = {1: 20.4, 2: 28.9, 3: 33.1, 4: 32.7, 6: 40.9, 7: 56.0, 8: 28.4, 12: 28.0, 16: 29.0}
-    costs = CostModel({1: dict(curve), 2: {1: 30.0, 2: 35.0, 4: 40.0}}, forms=dict(forms))
-    assert costs.correct_inverted_forms() == [2, 4]
-    assert costs.forms == {1: "packed", 2: "packed", 4: "packed", 8: "packed", 16: "packed"}
+
+    def book_of(forms, **stored) -> FormBook:
+        book = FormBook(cache_dir=tmp_path)
+        book._machines["m"] = MachineForms(forms=dict(forms), **stored)
+        return book
+
+    book, costs = book_of(forms), CostModel({1: dict(curve), 2: {1: 30.0, 2: 35.0, 4: 40.0}})
+    assert book.correct_inverted("m", costs) == [2, 4]
+    assert book.stored("m").forms == {1: "packed", 2: "packed", 4: "packed", 8: "packed", 16: "packed"}
+    assert FormBook(cache_dir=tmp_path).stored("m").forms == book.stored("m").forms  # stored
     assert costs.ms == {1: {1: 20.4, 8: 28.4, 12: 28.0, 16: 29.0}, 2: {4: 40.0}}
-    assert costs.correct_inverted_forms() == []
-    one_row = CostModel({1: {1: 13.5, 2: 11.6, 4: 12.6, 8: 14.1}}, forms={1: "native", 2: "tiled", 4: "tiled"})
-    assert one_row.correct_inverted_forms() == [1] and one_row.forms[1] == "tiled" and 1 not in one_row.ms[1]
+    assert book.correct_inverted("m", costs) == []
+    book, one_row = book_of({1: "native", 2: "tiled", 4: "tiled"}), CostModel({1: {1: 13.5, 2: 11.6, 4: 12.6, 8: 14.1}})
+    assert book.correct_inverted("m", one_row) == [1] and book.stored("m").forms[1] == "tiled" and 1 not in one_row.ms[1]
     sane = {**curve, 2: 21.0, 3: 22.0, 4: 23.0, 6: 25.0, 7: 27.0}  # narrower widths cheaper: the forms stay
-    for kept in (CostModel({1: dict(sane)}, forms=dict(forms)),
-                 CostModel({1: dict(curve)}, forms=dict(forms), pending=[16]),
-                 CostModel({1: dict(curve)}, forms={**forms, 1: "native", 8: "linear", 16: "linear"})):
-        before = (dict(kept.forms), {r: dict(c) for r, c in kept.ms.items()})
-        assert kept.correct_inverted_forms() == [] and (kept.forms, kept.ms) == before
+    for book, kept in ((book_of(forms), CostModel({1: dict(sane)})),
+                       (book_of(forms, pending=[16]), CostModel({1: dict(curve)})),
+                       (book_of({**forms, 1: "native", 8: "linear", 16: "linear"}), CostModel({1: dict(curve)}))):
+        before = (dict(book.stored("m").forms), {r: dict(c) for r, c in kept.ms.items()})
+        assert book.correct_inverted("m", kept) == [] and (book.stored("m").forms, kept.ms) == before
 
 
 def test_heads_gate_stops_heads_that_cost_more_than_their_deepest_draft_could_save():

@@ -12,6 +12,8 @@ from clover_hf.cpu.form_trials import COVERAGE, SAMPLES, FormTrials, row_bucket
 from clover_hf.cpu.binding import linear_forms
 from clover_hf.cpu.linears import WeightCopies
 from clover_hf.cpu.products import COPIES, LINEAR, NATIVE, PACK_ROWS, TRANSPOSED
+from clover_hf.backends import FormBook
+from clover_hf.backends.kernel_forms import FORMS_FILE, MachineForms, basis
 from clover_hf.decode.costs import CostModel, load_costs
 
 from .tiny import CrossAttentionProjections, prompt, same, tiny_model
@@ -72,11 +74,11 @@ def test_a_first_call_learns_the_forms_from_its_own_products_and_stays_exact(arc
         ids = prompt(seed, length=5 + seed)
         ref = base.generate(ids, max_new_tokens=24, do_sample=False)
         assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=budget), ref)
-    (key, stored), = ((k, c) for k, c in load_costs_all(tmp_path).items())
+    (key, stored), = load_forms_all(tmp_path).items()
     assert stored.forms is not None  # learnt (possibly F.linear throughout: then empty)
-    trials = budget._trials.get(key)
+    trials = FormBook.of(budget)._trials.get(key)
     assert trials is None or stored.pending == sorted(trials.pending)  # pending row counts are kept for later calls
-    assert stored.ms  # the verify costs the calls timed stay
+    assert load_costs(key, tmp_path).ms  # the verify costs the calls timed stay
     # each settled row count's fastest form without a copy, for a new process's products until its copies are made
     assert set(stored.fallbacks or {}) == set(form_trials.ROW_COUNTS) - set(stored.pending or ())
 
@@ -97,7 +99,7 @@ def test_a_first_call_verifies_one_token_a_step_until_it_is_ahead_of_plain_enoug
     stats = clover.generation_stats
     assert stats.verified_per_step == 1.0 and stats.head_drafts == 0
     assert stats.learning_steps == len(stats.accepted_lengths) > 0  # every verify step, while the forms were learnt
-    (trials,) = budget._trials.values()
+    (trials,) = FormBook.of(budget)._trials.values()
     assert {2, 4, 8, 16} <= trials.pending and trials.one_token_steps()
     assert trials.plain_row_s is not None and trials.tokens == 23  # the tokens after the prefill's
     monkeypatch.setattr(form_trials, "RESERVE_STEPS", -1e9)  # always ahead enough
@@ -163,7 +165,7 @@ def test_a_call_whose_forms_become_ready_runs_its_remaining_steps_outside_the_tr
             verifying[0] = False
 
     def verified(self, rows, width, started, settled=True, provisional=False):
-        (trials,) = budget._trials.values()
+        (trials,) = FormBook.of(budget)._trials.values()
         steps.append((through[0], provisional, trials.ready(), width))
         through[0] = 0
         return real_verified(self, rows, width, started, settled, provisional)
@@ -194,13 +196,17 @@ def test_the_width_to_learn_is_the_narrowest_verify_row_count_pending_while_the_
     assert trials.pending and trials.width_to_learn() is None
 
 
-def load_costs_all(cache_dir) -> dict[str, CostModel]:
+def load_forms_all(cache_dir) -> dict[str, MachineForms]:
     import json
 
-    from clover_hf.decode.costs import COSTS_FILE
+    data = json.loads((cache_dir / FORMS_FILE).read_text())
+    return {k: FormBook(cache_dir=cache_dir).stored(k) for k in data}
 
-    data = json.loads((cache_dir / COSTS_FILE).read_text())
-    return {k: load_costs(k, cache_dir) for k in data}
+
+def store_forms(key: str, stored: MachineForms, cache_dir) -> None:
+    book = FormBook(cache_dir=cache_dir)
+    book._machines[key] = stored
+    book.save(key)
 
 
 def test_a_row_count_settles_on_the_form_its_products_took_least_time_in(monkeypatch):
@@ -394,11 +400,13 @@ def copy_form_timed(done: list[tuple[int, str]], trials: FormTrials) -> int:
 def test_stored_forms_and_pending_row_counts_survive_the_cache_file(tmp_path):
     from clover_hf.decode.costs import save_costs
 
-    save_costs("m", CostModel({1: {1: 5.0}}, forms={1: "native", 4: "packed"}, pending=[32, 64],
-                              fallbacks={1: "native", 4: "transposed"}, provisional={(1, 4), (4, 2)}), tmp_path)
-    loaded = load_costs("m", tmp_path)
-    assert loaded.forms == {1: "native", 4: "packed"} and loaded.pending == [32, 64] and loaded.ms == {1: {1: 5.0}}
-    assert loaded.fallbacks == {1: "native", 4: "transposed"} and loaded.provisional == {(1, 4), (4, 2)}
+    store_forms("m", MachineForms(forms={1: "native", 4: "packed"}, pending=[32, 64], plain_row_ms=4.5,
+                                  fallbacks={1: "native", 4: "transposed"}), tmp_path)
+    save_costs("m", CostModel({1: {1: 5.0}}, basis="b", provisional={(1, 4), (4, 2)}), tmp_path)
+    loaded, costs = FormBook(cache_dir=tmp_path).stored("m"), load_costs("m", tmp_path)
+    assert loaded.forms == {1: "native", 4: "packed"} and loaded.pending == [32, 64] and loaded.plain_row_ms == 4.5
+    assert loaded.fallbacks == {1: "native", 4: "transposed"}
+    assert costs.ms == {1: {1: 5.0}} and costs.basis == "b" and costs.provisional == {(1, 4), (4, 2)}
 
 
 def test_forms_learnt_keep_the_verify_costs_and_end_once_every_row_count_settles(tmp_path):
@@ -407,22 +415,27 @@ def test_forms_learnt_keep_the_verify_costs_and_end_once_every_row_count_settles
     once those settle too."""
     model = tiny_model("llama")
     budget = DraftBudget(cache_dir=tmp_path)
-    trials = budget.form_trials("m", None, [model])
-    assert trials is not None and budget.form_trials("m", False, [model]) is None  # calibrate=False: never
+    book = FormBook.of(budget)
+    trials = book.form_trials("m", None, [model], None)
+    assert trials is not None and book.form_trials("m", False, [model], None) is None  # calibrate=False: never
     budget.stored("m").ms = {1: {1: 9.0, 4: 12.0}}
+    budget.rebase("m", basis(trials.forms), keep=True)
     trials.pending -= {1, 2, 4}
     trials.forms[4] = TRANSPOSED
-    budget.keep_learnt("m", trials)
-    stored = budget.stored("m")
-    assert stored.forms == {4: TRANSPOSED} and stored.ms == {1: {1: 9.0, 4: 12.0}} and 8 in stored.pending
-    assert budget.form_trials("m", None, [model]) is trials  # the same trials go on in the next call
+    book.keep_learnt("m", trials)
+    budget.rebase("m", basis(trials.forms), keep=True)  # as the call ends (`KernelBackend.finish`)
+    stored = book.stored("m")
+    assert stored.forms == {4: TRANSPOSED} and budget.stored("m").ms == {1: {1: 9.0, 4: 12.0}} and 8 in stored.pending
+    assert book.form_trials("m", None, [model], None) is trials  # the same trials go on in the next call
     trials.pending -= {n for n in range(PACK_ROWS + 1)}
-    budget.keep_learnt("m", trials)
-    assert budget.stored("m").pending == [32, 64, 128, 256] and not budget.stored("m").verify_pending()
-    assert budget.form_trials("m", None, [model]) is trials
+    book.keep_learnt("m", trials)
+    assert book.stored("m").pending == [32, 64, 128, 256] and not book.stored("m").verify_pending()
+    assert book.form_trials("m", None, [model], None) is trials
     trials.pending.clear()
-    budget.keep_learnt("m", trials)
-    assert budget.stored("m").pending is None and budget.form_trials("m", None, [model]) is None
+    book.keep_learnt("m", trials)
+    assert book.stored("m").pending is None and book.form_trials("m", None, [model], None) is None
+    budget.rebase("m", basis(book.stored("m").forms))  # the next call: the forms the costs were timed in
+    assert budget.stored("m").ms == {1: {1: 9.0, 4: 12.0}}
 
 
 def test_a_verify_row_count_still_to_learn_is_verified_though_its_widths_were_timed_dear(monkeypatch, tmp_path):
@@ -439,15 +452,17 @@ def test_a_verify_row_count_still_to_learn_is_verified_though_its_widths_were_ti
     ref = base.generate(ids, max_new_tokens=40, do_sample=False)
     monkeypatch.setattr(form_trials, "RESERVE_STEPS", -1e9)  # always ahead of plain: the calls may learn
     assert same(clover.generate(ids, max_new_tokens=40, do_sample=False, budget=DraftBudget(cache_dir=tmp_path)), ref)
-    (key, stored), = load_costs_all(tmp_path).items()
-    stored.forms, stored.fallbacks = {}, dict.fromkeys((1, 2, 8, 16), LINEAR)  # F.linear at the settled row counts
-    stored.pending = [4, 32, 64, 128, 256]
+    (key, forms), = load_forms_all(tmp_path).items()
+    forms.forms, forms.fallbacks = {}, dict.fromkeys((1, 2, 8, 16), LINEAR)  # F.linear at the settled row counts
+    forms.pending = [4, 32, 64, 128, 256]
+    store_forms(key, forms, tmp_path)
+    stored = load_costs(key, tmp_path)
     stored.ms = {1: {1: 1.0, 2: 1.1, 3: 1.2, **dict.fromkeys(range(4, 65), 500.0)}}  # every width wider: none explored
     stored.provisional = set()  # as stored before provisional costs were kept
     save_costs(key, stored, tmp_path)
     assert same(clover.generate(ids, max_new_tokens=40, do_sample=False, budget=DraftBudget(cache_dir=tmp_path)), ref)
+    assert 4 not in FormBook(cache_dir=tmp_path).stored(key).pending
     costs = load_costs(key, tmp_path)
-    assert 4 not in costs.pending
 
     costs.ms[1].update({4: 500.0, 6: 500.0})
     costs.provisional = {(1, 4), (1, 6), (4, 2)}  # timed provisionally by an earlier process
@@ -466,13 +481,13 @@ def test_a_batch_finding_verify_row_counts_still_pending_times_the_forms_apart(t
     """Batches do not learn forms from their products (their rows multiply at 4 and more, where trying slow forms
     inside forwards cost more than timing them): one that finds verify row counts still pending after batch-1
     calls times all the forms apart, and then nothing is pending."""
-    budget = DraftBudget(cache_dir=tmp_path)
-    stored = budget.stored("m")
+    book = FormBook(cache_dir=tmp_path)
+    stored = book.stored("m")
     stored.forms, stored.pending = {1: "native"}, [2, 4, 8, 16, 32]
-    assert budget.forms("m", None, lambda limit: {2: TRANSPOSED}) == {2: TRANSPOSED}
-    assert not budget.stored("m").pending
+    assert book.forms("m", None, lambda limit: {2: TRANSPOSED}) == {2: TRANSPOSED}
+    assert not book.stored("m").pending
     stored.pending = [64]  # only row counts past a verify forward's pending: kept as learnt
-    assert budget.forms("m", None, lambda limit: pytest.fail("timed again")) == {2: TRANSPOSED}
+    assert book.forms("m", None, lambda limit: pytest.fail("timed again")) == {2: TRANSPOSED}
 
 
 def test_one_row_is_learnt_from_whole_forwards_each_in_one_form(monkeypatch):
@@ -523,13 +538,14 @@ def test_a_new_process_makes_the_stored_forms_copies_as_its_calls_get_ahead_of_p
     monkeypatch.setattr(form_trials, "RESERVE_STEPS", 1e9)  # never ahead enough
     monkeypatch.setattr(form_trials, "LEARN_ANYWAY", 1e9)
     assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=budget), ref)
-    (trials,) = budget._trials.values()
-    assert trials.providing and budget.copies.nbytes == 0
+    book = FormBook.of(budget)
+    (trials,) = book._trials.values()
+    assert trials.providing and book.copies.nbytes == 0
     assert clover.generation_stats.verified_per_step == 1.0  # wide steps would compute without their copies
     monkeypatch.setattr(form_trials, "RESERVE_STEPS", -1e9)  # always ahead enough
     assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=budget), ref)
-    assert budget.copies.nbytes > 0 and trials.copied() and not budget._trials  # made: the trials end
-    assert budget.form_trials(key, None, [base, clover.clover_heads]) is None
+    assert book.copies.nbytes > 0 and trials.copied() and not book._trials  # made: the trials end
+    assert book.form_trials(key, None, [base, clover.clover_heads], None) is None
     assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=budget), ref)
     assert clover.generation_stats.learning_steps == 0  # the forms and their copies are all there
 
@@ -538,7 +554,6 @@ def _stored_copy_forms(tmp_path, rows: tuple[int, ...], fallbacks: dict[int, str
     """A tiny llama, its Clover model, a prompt, the base's greedy output, and the key of forms stored as an earlier
     process would, computing from oneDNN's blocked copies at these row counts, with these `fallbacks`."""
     from clover_hf.cpu.linears import PACKED, onednn_packs
-    from clover_hf.decode.costs import save_costs
 
     if not onednn_packs():
         pytest.skip("this torch build has no oneDNN: no blocked copies")
@@ -547,10 +562,10 @@ def _stored_copy_forms(tmp_path, rows: tuple[int, ...], fallbacks: dict[int, str
     ids = prompt(3)
     ref = base.generate(ids, max_new_tokens=24, do_sample=False)
     assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=DraftBudget(cache_dir=tmp_path)), ref)
-    (key, stored), = load_costs_all(tmp_path).items()
+    (key, stored), = load_forms_all(tmp_path).items()
     stored.forms = dict.fromkeys(rows, PACKED)
     stored.pending, stored.plain_row_ms, stored.fallbacks = None, 5.0, fallbacks
-    save_costs(key, stored, tmp_path)
+    store_forms(key, stored, tmp_path)
     return base, clover, ids, ref, key
 
 
@@ -571,7 +586,7 @@ def test_a_new_process_computes_one_row_in_its_stored_fallback_until_the_copies_
 
     monkeypatch.setattr(form_trials, "form_linear", product)
     assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=budget), ref)
-    assert budget.copies.nbytes == 0 and clover.generation_stats.verified_per_step == 1.0
+    assert FormBook.of(budget).copies.nbytes == 0 and clover.generation_stats.verified_per_step == 1.0
     one_row = {form for rows, form in done if rows == 1}
     assert one_row == {TRANSPOSED}
 
@@ -581,7 +596,7 @@ def test_forms_stored_without_one_rows_fallback_are_learnt_again_as_on_a_first_c
     release) are learnt again as a first call learns them, one row first."""
     base, clover, ids, ref, key = _stored_copy_forms(tmp_path, (1, 2, 4, 8, 16))
     budget = DraftBudget(cache_dir=tmp_path)
-    trials = budget.form_trials(key, None, [base, clover.clover_heads])
+    trials = FormBook.of(budget).form_trials(key, None, [base, clover.clover_heads], None)
     assert trials.pending == set(form_trials.ROW_COUNTS) and not trials.forms and trials.one_token_steps()
     assert same(clover.generate(ids, max_new_tokens=24, do_sample=False, budget=budget), ref)
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clover_hf import CloverForCausalLM, CostModel
+from clover_hf import CloverForCausalLM, CostModel, DraftBudget
+from clover_hf.backends import FormBook
 from clover_hf.cpu.binding import BoundLinear, linear_forms
 from clover_hf.cpu.layers import shared_input_groups
 from clover_hf.cpu.linears import (
@@ -128,8 +129,8 @@ def test_greedy_stays_exact_with_transposed_linears_in_every_verify(arch, monkey
     ref = base.generate(ids, max_new_tokens=30, do_sample=False)
     clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
     costs = CostModel.from_function(lambda rows, width: 10.0, draft_ms=0.0)  # the whole tree every step
-    costs.forms = {1: "native", **EVERY}
-    assert same(clover.generate(ids, max_new_tokens=30, do_sample=False, budget=costs), ref)
+    budget = DraftBudget(costs=costs, forms={1: "native", **EVERY})
+    assert same(clover.generate(ids, max_new_tokens=30, do_sample=False, budget=budget), ref)
     assert clover.generation_stats.verified_per_step > 2 and len(used) > 0  # verified in the transposed form
     assert len(native) > 0  # one-row products (the heads' first level drafts from one state) in the native form
 
@@ -363,7 +364,6 @@ def test_greedy_stays_exact_with_weight_copies_in_every_verify(arch, form, monke
     """Each form that computes from a weight copy (from float32 weights here, where greedy output is exact)
     verifies every tree; copies are made once per layer and the output is plain `generate`'s."""
     import clover_hf.cpu.linears as linears
-    from clover_hf import DraftBudget
 
     made = []
     monkeypatch.setattr(linears, "make_copy", lambda w, f: made.append(f) or make_copy(w, f))
@@ -376,8 +376,7 @@ def test_greedy_stays_exact_with_weight_copies_in_every_verify(arch, form, monke
     ref = base.generate(ids, max_new_tokens=30, do_sample=False)
     clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
     costs = CostModel.from_function(lambda rows, width: 10.0, draft_ms=0.0)  # the whole tree every step
-    costs.forms = {n: form for n in EVERY}
-    budget = DraftBudget(costs=costs)
+    budget = DraftBudget(costs=costs, forms={n: form for n in EVERY})
     for _ in range(2):
         assert same(clover.generate(ids, max_new_tokens=30, do_sample=False, budget=budget), ref)
         assert clover.generation_stats.verified_per_step > 2
@@ -385,24 +384,23 @@ def test_greedy_stays_exact_with_weight_copies_in_every_verify(arch, form, monke
     # made once, in the second call too: one per layer, and one more per group of layers stacked into one product
     groups = shared_input_groups([base, clover.clover_heads])
     assert made == [form] * len(made) and 0 < len(made) <= len(layers) + len(groups)
-    assert budget.copies.nbytes > 0
+    assert FormBook.of(budget).copies.nbytes > 0
 
 
 def test_greedy_stays_exact_when_weight_copies_do_not_fit():
     """Memory short: the layers past the limit compute without a copy, the output is still plain `generate`'s."""
-    from clover_hf import DraftBudget
 
     base = tiny_model("llama")
     ids = prompt(4)
     ref = base.generate(ids, max_new_tokens=30, do_sample=False)
     clover = CloverForCausalLM.from_base(base, lookup_tokens=3)
     costs = CostModel.from_function(lambda rows, width: 10.0, draft_ms=0.0)
-    costs.forms = {n: "float32_copy" for n in EVERY}
     limit = copies_nbytes([base], "float32_copy") // 3
     for weight_copies in (limit, False):
-        budget = DraftBudget(costs=costs, weight_copies=weight_copies)
+        budget = DraftBudget(costs=costs, weight_copies=weight_copies, forms={n: "float32_copy" for n in EVERY})
         assert same(clover.generate(ids, max_new_tokens=30, do_sample=False, budget=budget), ref)
-        assert budget.copies.nbytes <= limit and (budget.copies.nbytes > 0) == (weight_copies is not False)
+        copies = FormBook.of(budget).copies
+        assert copies.nbytes <= limit and (copies.nbytes > 0) == (weight_copies is not False)
 
 
 def test_a_weight_copy_chosen_at_one_verify_row_count_alone_is_not_kept(monkeypatch):

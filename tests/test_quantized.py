@@ -12,7 +12,7 @@ from torch import nn
 from clover_hf import CloverForCausalLM
 from clover_hf.core.quantized import TORCHAO_CONFIGS, dense, nbytes, quantization, quantize_base
 from clover_hf.cpu.linears import _linears, faster_forms
-from clover_hf.decode.costs import cost_key
+from clover_hf.backends import cost_key
 
 from .tiny import check_stats, oracle_model, prompt, random_heads, same, save_tiny_base, tiny_model
 

@@ -301,7 +301,7 @@ def test_a_static_cache_multiplies_in_the_forms_learnt_for_the_machine(monkeypat
         assert same(clover.generate(ids, max_new_tokens=20, do_sample=False, budget=budget, **kwargs), ref)
     costs = budget._costs
     dynamic, static = (next(c for k, c in costs.items() if k.endswith(end)) for end in ("copies", "static eager"))
-    assert not timed and static.forms is not None and static.ms and static.ms is not dynamic.ms
+    assert not timed and static.basis is not None and static.ms and static.ms is not dynamic.ms
 
 
 def test_a_torch_compile_without_per_function_limits_still_compiles_the_verify_forward(monkeypatch):

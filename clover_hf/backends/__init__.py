@@ -4,6 +4,8 @@ x86). The loop asks a backend for a prefill, a verify forward and its width, a n
 step hooks; it does not know which one it has."""
 
 from .kernel_backend import KernelBackend
+from .kernel_forms import FormBook
+from .keys import cost_key
 from .torch_backend import TorchBackend
 
-__all__ = ["KernelBackend", "TorchBackend"]
+__all__ = ["FormBook", "KernelBackend", "TorchBackend", "cost_key"]

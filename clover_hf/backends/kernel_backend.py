@@ -2,7 +2,7 @@
 forms this machine computes fastest (`clover_hf.cpu`: the kernel's tiled products, oneDNN's and fbgemm's packs,
 weight copies), its decoder layers fused into kernel calls where the forms allow.
 
-The forms are kept per machine with the draft budget's costs. A first call on a machine learns them from its own
+The forms are kept per machine beside the draft budget's costs (`kernel_forms.FormBook`). A first call on a machine learns them from its own
 products (`cpu.FormTrials`): while it does, it verifies one token a step until it is far enough ahead of plain
 decoding to afford trying wider ones, and binds the forms again once they settle. All of that stays here: the decode
 loop only calls the step hooks.
@@ -21,6 +21,8 @@ from transformers import PreTrainedModel
 from clover_hf import cpu
 from clover_hf.base.verify_forward import VerifyForward
 
+from .kernel_forms import FormBook, basis
+from .keys import machine_key
 from .torch_backend import TorchBackend
 
 if TYPE_CHECKING:
@@ -29,36 +31,41 @@ if TYPE_CHECKING:
 
 
 class KernelBackend(TorchBackend):
-    """`TorchBackend` with linear layers in the forms `forms` gives each row count (stored), or learnt by this call's
-    `trials`, from weight `copies`."""
+    """`TorchBackend` with linear layers in the forms `forms` gives each row count (stored in the budget's `book`), or
+    learnt by this call's `trials`, from the book's weight copies."""
 
     def __init__(self, model: PreTrainedModel, verify: VerifyForward, key: str | None, models: list[torch.nn.Module],
                  budget: DraftBudget, machine: str, forms: dict[int, str], trials: cpu.FormTrials | None) -> None:
         super().__init__(model, verify, key)
         self.models, self.budget, self.machine = models, budget, machine
+        self.book = FormBook.of(budget)
         self.forms, self.trials = forms, trials
-        self.copies = budget.use_copies(forms, trials)
+        self.copies = self.book.use_copies(forms, trials)
         self._forms_block: contextlib.ExitStack | None = None
         self._unsettled = 0  # the trials' count of unsettled products as the step's verify forward began
 
     @classmethod
     def create(cls, model: PreTrainedModel, models: list[torch.nn.Module], verify: VerifyForward,
-               budget: DraftBudget | None, calibrate: bool | None, batch: int, machine: str | None, key: str | None
-               ) -> TorchBackend:
-        """The backend for a call whose budget keeps forms for `machine` (with costs under `key`): the kernel's where
-        the call multiplies in forms stored or being learnt, else torch's. Batches time the forms apart rather than
-        learning them inside their forwards (a batch's rows multiply several rows at once, where trying slow forms
-        costs more); a compiled forward leaves its kernels to the compiler."""
-        if budget is None or machine is None or verify.compiled is not None:
+               budget: DraftBudget | None, calibrate: bool | None, batch: int, static: bool) -> TorchBackend:
+        """The backend for a call: the kernel's where the call multiplies in forms stored or being learnt, else
+        torch's. With a budget, its costs are kept under the machine's key (`keys.machine_key`), and apart for a
+        static cache (`static`) by how its forward runs. Batches time the forms apart rather than learning them
+        inside their forwards (a batch's rows multiply several rows at once, where trying slow forms costs more); a
+        compiled forward leaves its kernels to the compiler."""
+        machine = None if budget is None else machine_key(model, budget.weight_copies)
+        key = f"{machine}|static {verify.key}" if machine is not None and static else machine
+        if budget is None or verify.compiled is not None:
             return TorchBackend(model, verify, key)
-        trials = budget.form_trials(machine, calibrate, models) if batch == 1 else None
-        if trials is not None:  # none stored: learnt from the call's own products
-            forms = trials.forms
+        book = FormBook.of(budget)
+        if budget.fixed is not None:  # fixed costs: nothing learnt
+            forms, trials = book.fixed or {}, None
         else:
-            forms = budget.forms(machine, calibrate,
-                                 lambda limit: cpu.faster_forms(models, copy_limit=limit, copies=budget.copies))
-        if key != machine:  # the same forms on another cache, with costs of its own
-            budget.share_forms(key, forms, learning=trials is not None)
+            one_token = budget.stored(machine).ms.get(1, {}).get(1)
+            trials = book.form_trials(machine, calibrate, models, one_token) if batch == 1 else None
+            forms = trials.forms if trials is not None else book.forms(
+                machine, calibrate, lambda limit: cpu.faster_forms(models, copy_limit=limit, copies=book.copies))
+            for timed in {machine, key}:  # costs timed in other forms are dropped, but while the forms are learnt
+                budget.rebase(timed, basis(forms), keep=trials is not None)
         if not forms and trials is None:
             return TorchBackend(model, verify, key)
         return cls(model, verify, key, models, budget, machine, forms, trials)
@@ -126,5 +133,13 @@ class KernelBackend(TorchBackend):
             self._forms_block.enter_context(self._bind())
 
     def finish(self) -> None:
+        """Store the forms the call learnt, with those its timed steps show slower than the copy form switched to it
+        (`FormBook.correct_inverted`); the costs stay marked as timed in them (the forms only ever get faster)."""
+        if self.budget.fixed is not None:
+            return
         if self.trials is not None:
-            self.budget.keep_learnt(self.machine, self.trials)
+            self.book.keep_learnt(self.machine, self.trials)
+        self.book.correct_inverted(self.machine, self.budget.stored(self.key))
+        forms = self.book.stored(self.machine).forms
+        if forms is not None:
+            self.budget.rebase(self.key, basis(forms), keep=True)

@@ -1,9 +1,9 @@
 """The draft budget: each step, verify only the drafted nodes that pay on the machine at hand.
 
 - `DraftBudget`: what the per-step choice keeps across `generate` calls of one model: the verify costs per
-  machine (`costs.CostModel`, loaded from and saved to the user cache), the linear forms they were timed
-  under and the weight copies those compute from, acceptance per decoding mode (`acceptance.AcceptanceModel`)
-  and a heads gate per batch size and tree.
+  machine (`costs.CostModel`, loaded from and saved to the user cache), acceptance per decoding mode
+  (`acceptance.AcceptanceModel`), a heads gate per batch size and tree, and what backends keep across calls
+  (the CPU kernel's linear forms and weight copies).
 - `HeadsGate`: stops drafting with the heads while that does not pay for its own cost, and tries again
   after a pause.
 
@@ -20,15 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Hashable
 
-import torch
-
-from clover_hf.core.hardware import available_memory
-from clover_hf.cpu import COPIES, FormTrials, WeightCopies, copy_form, evident_forms
-
 from .acceptance import AcceptanceModel
 from .costs import CostModel, load_costs, save_costs
 
-COPY_SHARE = 0.5  # by default weight copies take at most this share of the memory available when they are made
 MIN_PAUSE, MAX_PAUSE = 4, 256  # steps without the heads after drafting did not pay; doubles while it still does not
 # drafting steps whose mean gain decides, at first and after each pause: one step where the lookup chain alone did
 # well (its text copying earlier text) must not pause heads that pay on average
@@ -149,15 +143,16 @@ class DraftBudget:
     the choices are the same on every run); `cache_dir` overrides where costs are kept (default:
     `$CLOVER_HF_CACHE` or ~/.cache/clover_hf).
 
-    `weight_copies`: the memory the linear forms may spend on copies of the base's weights made once
-    (oneDNN's blocked layout; float16 or float32 copies of bf16 weights on CPUs without native bf16;
-    see linears.py). True: at most `COPY_SHARE` of the memory available when they are made; an int: at
-    most that many bytes; False: none. `widest`: verify at most this many tokens per row each step (1:
+    `weight_copies`: the memory the CPU kernel's linear forms may spend on copies of the base's weights made
+    once (`backends.kernel_forms.FormBook`). True: at most half the memory available when they are made; an
+    int: at most that many bytes; False: none. `forms`: with fixed `costs`, how the kernel's linear layers
+    multiply each row count (`clover_hf.cpu.LinearForms`; None: F.linear throughout). `widest`: verify at most this many tokens per row each step (1:
     plain decoding steps in Clover's kernels, no drafting: what speculation adds is measured against it).
     """
 
     def __init__(self, costs: CostModel | None = None, cache_dir: str | Path | None = None,
-                 weight_copies: bool | int = True, widest: int | None = None) -> None:
+                 weight_copies: bool | int = True, widest: int | None = None, forms: dict[int, str] | None = None
+                 ) -> None:
         if isinstance(weight_copies, int) and not isinstance(weight_copies, bool) and weight_copies < 0:
             raise ValueError(f"weight_copies must be True, False or a number of bytes >= 0, got {weight_copies}")
         if widest is not None and widest < 1:
@@ -165,14 +160,13 @@ class DraftBudget:
         self.fixed = costs
         self.cache_dir = cache_dir
         self.weight_copies = weight_copies
+        self.forms = forms
         self.widest = widest
         self.cut = True  # False: the whole tree every step, in this budget's linear forms (`whole_tree`)
-        self.copies = WeightCopies()
         self._costs: dict[str, CostModel] = {}
         self._acceptance: dict[tuple, AcceptanceModel] = {}
-        self._trials: dict[str, FormTrials] = {}  # forms being learnt from calls' products, per machine key
-        self._provided: set[str] = set()  # machine keys whose forms' weight copies the trials made in `copies`
         self._gates: dict[int, HeadsGate] = {}
+        self._kept: dict[str, object] = {}  # what backends keep across calls (`kept`)
 
     @property
     def gate(self) -> HeadsGate:
@@ -200,26 +194,12 @@ class DraftBudget:
         """This budget verifying the whole tree every step, in its linear forms and weight copies (shared)."""
         return self._view(cut=False)
 
-    def copy_limit(self) -> int:
-        """Bytes weight copies may take now: those made already, plus what `weight_copies` allows."""
-        if self.weight_copies is False:
-            return 0
-        if self.weight_copies is not True:
-            return int(self.weight_copies)
-        return self.copies.nbytes + int(COPY_SHARE * (available_memory() or 0))
-
-    def key_suffix(self) -> str:
-        """What the forms (and so the costs) depend on beyond the machine: whether weight copies are allowed."""
-        return "weight copies" if self.weight_copies is not False else "no weight copies"
-
-    def use_copies(self, forms: dict[int, str], trials: FormTrials | None = None) -> WeightCopies | None:
-        """The weight copies `forms` (and `trials`) compute from, bounded by `copy_limit` (freed when they use none)."""
-        if copy_form(forms) is None and trials is None:
-            self.copies.clear()
-            self._provided.clear()
-            return None
-        self.copies.limit = self.copy_limit()
-        return self.copies
+    def kept(self, name: str, make: Callable[[], object]) -> object:
+        """What a backend keeps across the calls of this budget's model under `name` (`make()` at first use), shared
+        by the budget's views (the CPU kernel's forms: `backends.kernel_forms.FormBook`)."""
+        if name not in self._kept:
+            self._kept[name] = make()
+        return self._kept[name]
 
     def acceptance(self, sample: bool, depth: int, chain: int) -> AcceptanceModel:
         key = (sample, depth, chain)
@@ -233,89 +213,18 @@ class DraftBudget:
             self._costs[key] = load_costs(key, self.cache_dir) or CostModel()
         return self._costs[key]
 
-    def forms(self, key: str, calibrate: bool | None, measure: Callable[[int], dict[int, str]]) -> dict[int, str]:
-        """How linear layers compute each row count for `key` (`linears.faster_forms`): stored, else
-        measured by `measure(copy_limit)` (calibrate None: when not stored, or when the forms learnt from
-        products (`form_trials`) still lack a verify forward's row count, as a batch's; True: again; False:
-        never, which leaves F.linear throughout). Costs timed under other forms, or before forms were
-        chosen, are dropped. A fixed cost model uses its own (none unless set)."""
-        if self.fixed is not None:
-            return self.fixed.forms or {}
-        costs = self.stored(key)
-        unsettled = costs.forms is None or costs.verify_pending()
-        if calibrate or (calibrate is None and unsettled):
-            self.share_forms(key, measure(self.copy_limit()))
-            costs.pending, costs.plain_row_ms = None, None
-            self._trials.pop(key, None)
-            save_costs(key, costs, self.cache_dir)
-        return costs.forms or {}
-
-    def form_trials(self, key: str, calibrate: bool | None, models: list[torch.nn.Module]) -> FormTrials | None:
-        """The forms for `key` learnt from this call's own products (`form_trials`), where none are stored
-        or some row counts are still pending, or the weight copies the stored forms compute from are still to
-        be made in this process (the trials make them while the call is ahead of plain `generate`: made all at
-        once, they can take a good share of a short call), and the call may measure (calibrate None); else None
-        (the forms come from `forms`). CPU only. One `FormTrials` serves the calls of a process until every
-        row count has settled and its copies are made; its forms are stored after each call (`keep_learnt`).
-        Where the forms are evident (`linears.evident_forms`), they are stored as they are and nothing is learnt."""
-        if self.fixed is not None or calibrate is not None:
-            return None
-        costs = self.stored(key)
-        if costs.forms is not None and not costs.pending and (copy_form(costs.forms) is None or key in self._provided):
-            return None
-        if next(models[0].parameters()).device.type != "cpu":
-            return None
-        evident = evident_forms(models, self.copy_limit())
-        if evident is not None:  # nothing to learn: the forms' copies are made as the call starts (`linear_forms`)
-            if costs.forms != evident or costs.pending:
-                self.share_forms(key, evident)
-                costs.pending, costs.fallbacks = None, None
-                save_costs(key, costs, self.cache_dir)
-            self._trials.pop(key, None)
-            self._provided.add(key)
-            return None
-        trials = self._trials.get(key)
-        if trials is None or not trials.serves(models):
-            self.copies.limit = self.copy_limit()
-            known, fallbacks = costs.forms, costs.fallbacks or {}
-            if known is not None and known.get(1) in COPIES and 1 not in fallbacks:
-                # stored without the form one row takes until its copies are made (forms timed apart, or by an
-                # earlier release): learnt again as on a first call; else one-row products would take F.linear, which
-                # never gets a call ahead of plain, and so the copies would never be made
-                known = None
-            pending = None if known is None else set(costs.pending or ())
-            trials = self._trials[key] = FormTrials(models, self.copies, known, pending, costs.plain_row_s(), fallbacks)
-        trials.next_call()
-        return trials
-
-    def keep_learnt(self, key: str, trials: FormTrials) -> None:
-        """Store the forms `trials` learnt for `key`, the row counts still pending and plain's one-token forward;
-        the trials end once `ready` (their copies made) with no row count pending (a prefill's may stay so for
-        long: the products of others then pass them by). Trials only ever settle on forms faster than those the
-        verify costs were timed under: the costs stay, and the steps that time them bring them down (dropping them
-        would time every width again)."""
-        if self.fixed is None:
-            costs = self.stored(key)
-            costs.forms, costs.pending = dict(trials.forms), sorted(trials.pending) or None
-            costs.fallbacks = dict(trials.fallback) or None
-            if trials.plain_row_s is not None:
-                costs.plain_row_ms = 1000 * trials.plain_row_s
-            if trials.ready():
-                self._provided.add(key)
-                if not trials.pending:
-                    self._trials.pop(key, None)
-
-    def share_forms(self, key: str, forms: dict[int, str], learning: bool = False) -> None:
-        """Costs under `key` are timed in `forms` (measured for it, or under another key: another cache on the
-        same machine); curves timed under other forms no longer hold, and are dropped, but while the forms
-        are `learning` from trials (which only settle on faster ones: see `keep_learnt`)."""
+    def rebase(self, key: str, basis: str, keep: bool = False) -> None:
+        """Costs under `key` are timed under `basis`, the backend's word for how it computes (the kernel's linear
+        forms): curves timed under another no longer hold and are dropped, unless `keep` (a backend still learning,
+        which only moves to faster ways: the steps that time them bring them down; dropping them would time every
+        width again)."""
         if self.fixed is not None:
             return
         costs = self.stored(key)
-        if costs.forms != forms:
-            if not learning:
+        if costs.basis != basis:
+            if not keep:
                 costs.ms, costs.timed_at = {}, {}
-            costs.forms = dict(forms)
+            costs.basis = basis
 
     def costs(self, key: str, rows: int, limit: int, measure: Callable[[int], float], calibrate: bool | None
               ) -> CostModel | None:
@@ -324,7 +233,7 @@ class DraftBudget:
         calibrate None: what is not known yet (`CostModel.untimed`) is learnt from the call's first
         steps, each verifying one such width (no forward is spent on timing alone, so a first call
         costs little more than later ones); True: time every width again now, with `measure(width) ->
-        ms`, one verify forward in the linear forms `forms()` chose (which comes first); False: never
+        ms`, one verify forward as the backend computes it; False: never
         (without stored costs, None).
         """
         if self.fixed is not None:
@@ -340,13 +249,6 @@ class DraftBudget:
         return costs if costs.covers(rows, 1) else None
 
     def save(self, key: str) -> None:
-        """Keep what the timed steps refined for the next process, with forms their costs show slower than the copy
-        form switched to it (`CostModel.correct_inverted_forms`) once the trials' forms are ready."""
+        """Keep what the timed steps refined for the next process."""
         if self.fixed is None and key in self._costs:
-            trials = self._trials.get(key)
-            if trials is None or trials.ready():
-                costs = self._costs[key]
-                for n in costs.correct_inverted_forms():
-                    if trials is not None:  # the forms calls use while a prefill's row count is still to learn
-                        trials.forms[n] = costs.forms[n]
             save_costs(key, self._costs[key], self.cache_dir)

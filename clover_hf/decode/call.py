@@ -24,7 +24,6 @@ from clover_hf.heads.tree import DynamicTree, TreeBuffers
 
 from .budget import DraftBudget
 from .choosing import StepBudget
-from .costs import cost_key
 from .drafting import static_trees, tree_spec
 from .rows import Batch, Row, criteria_read_scores, pad_id, sequences
 from .stats import GenerationStats
@@ -79,7 +78,8 @@ class DecodeCall:
                                cut.k if cut is not None and cut.screens else None, heads.taps)
         plan = make_plan(model, heads, input_ids.shape[0], generation_config, stopping_criteria, tree, lookup,
                          lookup_max)
-        backend = _backend(model, heads, verify, budget, calibrate, input_ids.shape[0], is_static(prepared))
+        backend = KernelBackend.create(model, [model, heads], verify, budget, calibrate, input_ids.shape[0],
+                                       is_static(prepared))
         cache = _decode_cache(model, model_kwargs, generation_config, backend.width(plan.widest, None))
         attention_mask = model_kwargs.get("attention_mask")
         return cls(model, input_ids, caller_device, None if attention_mask is None else attention_mask.to(device),
@@ -113,15 +113,6 @@ class DecodeCall:
             logits=None if first.raw_logits is None else tuple(first.raw_logits),
             **{OUTPUT_CACHE_FIELD: batch.cache if len(rows) == 1 else None},  # a batch's cache has masked slots
         )
-
-
-def _backend(model: PreTrainedModel, heads: DraftHeads, verify: VerifyForward, budget: DraftBudget | None,
-             calibrate: bool | None, batch: int, static: bool) -> TorchBackend:
-    """The backend for the call. With a budget, its costs are kept under the machine's key (`cost_key`, and whether
-    weight copies are allowed), and apart for a static cache (`static`) by how its forward runs."""
-    machine = None if budget is None else f"{cost_key(model, model.device)}|{budget.key_suffix()}"
-    key = f"{machine}|static {verify.key}" if machine is not None and static else machine
-    return KernelBackend.create(model, [model, heads], verify, budget, calibrate, batch, machine, key)
 
 
 @dataclass(frozen=True)

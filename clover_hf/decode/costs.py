@@ -1,30 +1,21 @@
 """The verify costs: milliseconds of one verify step by rows and tokens per row, on the machine at hand.
 
 `CostModel` holds them: learnt from a call's first steps (or timed up front when asked), refined from every
-step timed, and kept in the user cache (`load_costs`, `save_costs`) under `cost_key`, what they depend on.
+step timed, and kept in the user cache (`load_costs`, `save_costs`) under the backend's key (`backends.cost_key`: what
+they depend on).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-import torch
-
-from clover_hf import cpu
 from clover_hf.base.verify_forward import bucket
-from clover_hf.core.hardware import cpu_capability, cpu_name
-from clover_hf.core.quantized import quantization
-from clover_hf.core.user_cache import default_cache_dir
-from clover_hf.cpu import ONE_ROW_GAIN, PACK_ROWS, copy_form, form_for, row_bucket
+from clover_hf.core.user_cache import read_entry, write_entry
 
 WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
-COSTS_FILE = "verify_costs.v7.json"  # v7: oneDNN's blocked layout timed at one row too
+COSTS_FILE = "verify_costs.v8.json"  # v8: the linear forms kept apart (`backends.kernel_forms`)
 OUTLIER = 2.0  # a timed step counts at most this many times the estimate
 CALIBRATED = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192)  # widths timed up front (and the whole tree's);
 # the steps refine them, and the choice is among those: a first call pays for few forwards
@@ -42,23 +33,14 @@ class CostModel:
     draft_ms: float | None = None  # drafting's cost per step when fixed; None: timed as decoding goes
     timed_ms: float = 0.0  # milliseconds of the steps timed (by this process)
     timed_at: dict[int, dict[int, float]] = field(default_factory=dict)  # rows -> {width: `timed_ms` when last timed}
-    # how linear layers compute each row count (batch rows x tokens; `linears.faster_forms`), which the
-    # costs were timed under; None: not measured yet
-    forms: dict[int, str] | None = None
-    # the row counts whose forms are still to be learnt from the products of later calls (`form_trials`);
-    # None or empty: none (forms timed apart by `faster_forms`, or every row count settled)
-    pending: list[int] | None = None
-    # milliseconds of a one-token forward in F.linear, as plain `generate` computes it, timed by the form trials:
-    # how far ahead of plain a call is, which pays for learning the forms still pending
-    plain_row_ms: float | None = None
-    # each row count's fastest form without a weight copy, as the form trials timed it: what its products take in
-    # a new process while the copies its form computes from are still to be made; None: not timed
-    fallbacks: dict[int, str] | None = None
+    # what the backend computed these costs under (for the CPU kernel, its linear forms: `kernel_forms.basis`);
+    # costs timed under another are dropped (`DraftBudget.rebase`). None: not said yet
+    basis: str | None = None
     # the widths a compiled forward is padded to (`verify_forward.BUCKETS`): a width costs what its bucket
     # does, and only buckets are timed; None: every width is its own forward
     buckets: tuple[int, ...] | None = None
-    # (rows, width) timed while the linear forms were still being learnt (`choosing.StepBudget.verified`): kept, and
-    # stored, until timed again in settled forms, in whichever call (or process) that happens
+    # (rows, width) timed while the backend was still learning how to compute (`choosing.StepBudget.verified`): kept,
+    # and stored, until timed again once it settled, in whichever call (or process) that happens
     provisional: set[tuple[int, int]] = field(default_factory=set)
 
     @classmethod
@@ -155,35 +137,12 @@ class CostModel:
         self.timed_ms += ms
         self.timed_at.setdefault(rows, {})[width] = self.timed_ms
 
-    def correct_inverted_forms(self) -> list[int]:
-        """Row counts whose form verified one row's tokens dearer than a wider row count does in the copy form the
-        forms keep (`linears.copy_form`), switched to that form; their widths' costs are dropped, to be timed again.
-        Such a form loses to the copy form at its own row count, which costs no more than at the wider one.
-        The form trials time products one by one, and a form that wins a lone product can still lose in a whole
-        verify forward, where the copy form's layout serves every layer. Returns the row counts switched; none
-        while a verify forward's form is pending."""
-        kept = copy_form(self.forms or {})
-        curve = self.ms.get(1)
-        if kept is None or self.verify_pending() or not curve:
-            return []
-        switched = []
-        for n, form in sorted(self.forms.items()):
-            own = [ms for w, ms in curve.items() if row_bucket(w) == n]
-            wider = [ms for w, ms in curve.items() if row_bucket(w) > n and form_for(self.forms, w) == kept]
-            if form != kept and own and wider and min(own) > min(wider):
-                self.forms[n] = kept
-                switched.append(n)
-        for rows, widths in self.ms.items():
-            for w in [w for w in widths if row_bucket(rows * w) in switched]:
-                del widths[w]
-                self.timed_at.get(rows, {}).pop(w, None)
-                self.provisional.discard((rows, w))
-        return switched
-
-    def verify_pending(self) -> bool:
-        """Whether a verify forward's row count (up to PACK_ROWS) is still to be learnt; wider ones (a prefill's)
-        are learnt by the prefills of later calls."""
-        return any(n <= PACK_ROWS for n in self.pending or ())
+    def forget(self, timed: Iterable[tuple[int, int]]) -> None:
+        """Drop the costs of these (rows, width), to be timed again (the backend changed how it computes them)."""
+        for rows, width in timed:
+            self.ms.get(rows, {}).pop(width, None)
+            self.timed_at.get(rows, {}).pop(width, None)
+            self.provisional.discard((rows, width))
 
     def calibrate(self, rows: int, limit: int, measure: Callable[[int], float]) -> None:
         """Time the CALIBRATED widths below `limit` (and `limit`) for `rows` rows now, with `measure(width) -> ms`."""
@@ -196,17 +155,6 @@ class CostModel:
             if w <= NARROW:  # rule out a width the budget may well choose
                 curve[w] = min(curve[w], measure(w))
 
-    def plain_row_s(self) -> float | None:
-        """Seconds of plain `generate`'s one-token forward: as the form trials timed it, else (forms timed apart)
-        at least a one-token step's, over ONE_ROW_GAIN where one row took another form than F.linear (chosen only
-        where it took at most that share of F.linear's time); None where neither is known."""
-        if self.plain_row_ms is not None:
-            return self.plain_row_ms / 1000
-        one_token = self.ms.get(1, {}).get(1)
-        if one_token is None:
-            return None
-        return one_token / 1000 / (ONE_ROW_GAIN if (self.forms or {}).get(1) else 1.0)
-
     def untimed(self, rows: int, limit: int) -> list[int]:
         """The calibrated widths (or buckets) up to `limit` (and `limit`) with no cost for `rows` rows yet,
         narrowest first."""
@@ -216,14 +164,8 @@ class CostModel:
 
     def to_json(self) -> dict:
         data = {str(r): {str(w): round(ms, 3) for w, ms in sorted(c.items())} for r, c in self.ms.items()}
-        if self.forms is not None:
-            data["forms"] = {str(n): f for n, f in sorted(self.forms.items())}
-        if self.pending:
-            data["pending"] = sorted(self.pending)
-        if self.plain_row_ms is not None:
-            data["plain_row_ms"] = round(self.plain_row_ms, 3)
-        if self.fallbacks:
-            data["fallbacks"] = {str(n): f for n, f in sorted(self.fallbacks.items())}
+        if self.basis is not None:
+            data["basis"] = self.basis
         if self.provisional:
             data["provisional"] = [list(pair) for pair in sorted(self.provisional)]
         return data
@@ -231,55 +173,18 @@ class CostModel:
     @classmethod
     def from_json(cls, data: dict) -> "CostModel":
         curves = {int(r): {int(w): float(ms) for w, ms in c.items()} for r, c in data.items() if r.isdigit()}
-        forms, pending, plain_row = data.get("forms"), data.get("pending"), data.get("plain_row_ms")
-        fallbacks, provisional = data.get("fallbacks"), data.get("provisional")
+        basis, provisional = data.get("basis"), data.get("provisional")
         pairs = provisional if isinstance(provisional, list) else []
-        return cls(curves, forms={int(n): str(f) for n, f in forms.items()} if isinstance(forms, dict) else None,
-                   pending=[int(n) for n in pending] if isinstance(pending, list) else None,
-                   plain_row_ms=float(plain_row) if isinstance(plain_row, (int, float)) else None,
-                   fallbacks={int(n): str(f) for n, f in fallbacks.items()} if isinstance(fallbacks, dict) else None,
+        return cls(curves, basis=basis if isinstance(basis, str) else None,
                    provisional={(int(p[0]), int(p[1])) for p in pairs if isinstance(p, list) and len(p) == 2})
-
-
-def cost_key(model: torch.nn.Module, device: torch.device) -> str:
-    """What a verify step's cost depends on: the base (its name, architecture and quantization), dtype,
-    device, threads, CPU capability, torch version, and for bf16 on the CPU which `bf16_kernel` build computes (a
-    changed kernel learns its costs and forms again)."""
-    config = model.config.to_json_string(use_diff=False)
-    arch = hashlib.sha1(config.encode()).hexdigest()[:12]
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    return "|".join([getattr(model.config, "_name_or_path", "") or "?", arch, str(model.dtype).removeprefix("torch."),
-                     where, f"{torch.get_num_threads()} threads", cpu_name(), cpu_capability(),
-                     f"torch {torch.__version__}"] + ([quantized] if (quantized := quantization(model)) else [])
-                    + ([f"bf16 kernel {cpu.build_id()}"] if model.dtype == torch.bfloat16
-                       and device.type == "cpu" and cpu.available() else []))
-
-
-def _costs_path(cache_dir: str | Path | None) -> Path:
-    return (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()) / COSTS_FILE
 
 
 def load_costs(key: str, cache_dir: str | Path | None = None) -> CostModel | None:
     """The costs measured earlier under `key` (a JSON file in the user cache), or None."""
-    try:
-        data = json.loads(_costs_path(cache_dir).read_text())
-    except (OSError, ValueError):
-        return None
-    entry = data.get(key) if isinstance(data, dict) else None
+    entry = read_entry(COSTS_FILE, key, cache_dir)
     return CostModel.from_json(entry) if isinstance(entry, dict) else None
 
 
 def save_costs(key: str, costs: CostModel, cache_dir: str | Path | None = None) -> None:
     """Store `costs` under `key`, replacing the file atomically (a crash never leaves half a file)."""
-    path = _costs_path(cache_dir)
-    try:
-        data = json.loads(path.read_text())
-        data = data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        data = {}
-    data[key] = costs.to_json()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".verify_costs.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    write_entry(COSTS_FILE, key, costs.to_json(), cache_dir)
