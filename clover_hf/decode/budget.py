@@ -146,8 +146,9 @@ class DraftBudget:
     `weight_copies`: the memory the CPU kernel's linear forms may spend on copies of the base's weights made
     once (`backends.kernel_forms.FormBook`). True: at most half the memory available when they are made; an
     int: at most that many bytes; False: none. `forms`: with fixed `costs`, how the kernel's linear layers
-    multiply each row count (`clover_hf.cpu.LinearForms`; None: F.linear throughout). `widest`: verify at most this many tokens per row each step (1:
-    plain decoding steps in Clover's kernels, no drafting: what speculation adds is measured against it).
+    multiply each row count (`clover_hf.cpu.LinearForms`; None: F.linear throughout). `widest`: verify at most
+    this many tokens per row each step (1: plain decoding steps in Clover's kernels, no drafting: what
+    speculation adds is measured against it).
     """
 
     def __init__(self, costs: CostModel | None = None, cache_dir: str | Path | None = None,
