@@ -140,7 +140,7 @@ def test_feature_layers_in_the_config(tmp_path):
         CloverForCausalLM.from_base(tiny_model("llama"), feature_layers=[0, 5])
 
 
-def test_fused_heads_train_online_and_only_online(tmp_path):
+def test_fused_heads_train_online_and_on_features_cached_with_their_taps(tmp_path):
     from clover_hf.training.features import Example, FeatureSet, cache_features
     from clover_hf.training.packing import PackedRows
     from clover_hf.training.trainer import TrainConfig, Trainer
@@ -160,9 +160,16 @@ def test_fused_heads_train_online_and_only_online(tmp_path):
     assert trainer._losses(batch)[0].item() < first.item()
     taps_part = trainer.heads.fuse.weight[:, : 2 * base.config.hidden_size]
     assert not torch.equal(trainer.heads.fuse.weight, fuse_before) and taps_part.abs().sum() > 0  # taps learnt
-    cache_features(base, [Example(prompt(1, 12)[0].tolist(), [1] * 12)], tmp_path / "f", top_k=4)
-    with pytest.raises(ValueError, match="--online"):
+    example = Example(prompt(1, 12)[0].tolist(), [1] * 12)
+    cache_features(base, [example], tmp_path / "f", top_k=4)  # the last states alone
+    with pytest.raises(ValueError, match="cache them again.*--online"):
         Trainer(config, clover.clover_heads, base, FeatureSet.load(tmp_path / "f"))
+    cache_features(base, [example], tmp_path / "t", top_k=4, taps=TAPS)
+    cached = Trainer(config, clover.clover_heads, base, FeatureSet.load(tmp_path / "t"), top_k=4)
+    online = Trainer(config, clover.clover_heads, base, PackedRows.pack([example], 12, 0), top_k=4)
+    from_cache, from_base = cached._device_batch([0]), online._device_batch([0])
+    assert from_cache["inputs"].shape == from_base["inputs"].shape == (1, 12, 3 * base.config.hidden_size)
+    torch.testing.assert_close(from_cache["inputs"], from_base["inputs"], rtol=0.01, atol=0.01)  # stored in bf16
 
 
 @pytest.mark.parametrize("isa", BUILDS)

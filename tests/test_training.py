@@ -70,7 +70,7 @@ def test_training_step_changes_heads_not_base(tiny_base, tmp_path):
     examples = [Example(prompt(i, 20)[0].tolist(), [0] * 5 + [1] * 15) for i in range(6)]
     cache_features(base, examples, tmp_path / "f", top_k=4)
     features = FeatureSet.load(tmp_path / "f")
-    assert len(features) == 6 and features.hidden.shape == (120, 64)
+    assert len(features) == 6 and features.read("hidden").shape == (120, 64)
     clover = CloverForCausalLM.from_base(base, num_heads=3, tree=[[0], [0, 0], [0, 0, 0]])
     base_before = {k: v.clone() for k, v in base.state_dict().items()}
     heads_before = {k: v.clone() for k, v in clover.clover_heads.state_dict().items()}
@@ -94,7 +94,8 @@ def test_feature_sets_from_several_runs_must_match(tiny_base, tmp_path):
     cache_features(base, examples[:2], tmp_path / "b", top_k=4)
     cache_features(base, examples, tmp_path / "c", top_k=8)
     both = FeatureSet.load(tmp_path / "a", tmp_path / "b")
-    assert len(both) == 5 and torch.equal(both.input_ids[36:60], FeatureSet.load(tmp_path / "b").input_ids)
+    assert len(both) == 5
+    assert torch.equal(both.read("input_ids")[36:60], FeatureSet.load(tmp_path / "b").read("input_ids"))
     with pytest.raises(ValueError, match="topk_ids.*cannot be mixed"):
         FeatureSet.load(tmp_path / "a", tmp_path / "c")
     with pytest.raises(FileNotFoundError, match="no feature shards"):

@@ -2,10 +2,10 @@
 forms this machine computes fastest (`clover_hf.cpu`: the kernel's tiled products, oneDNN's and fbgemm's packs,
 weight copies), its decoder layers fused into kernel calls where the forms allow.
 
-The forms are kept per machine beside the draft budget's costs (`kernel_forms.FormBook`). A first call on a machine learns them from its own
-products (`cpu.FormTrials`): while it does, it verifies one token a step until it is far enough ahead of plain
-decoding to afford trying wider ones, and binds the forms again once they settle. All of that stays here: the decode
-loop only calls the step hooks.
+The forms are kept per machine beside the draft budget's costs (`kernel_forms.FormBook`). A first call on a machine
+learns them from its own products (`cpu.FormTrials`): while it does, it verifies one token a step until it is far
+enough ahead of plain decoding to afford trying wider ones, and binds the forms again once they settle. All of that
+stays here: the decode loop only calls the step hooks.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from clover_hf.heads.tree import DynamicTree, TreeBuffers
 from .budget import DraftBudget
 from .choosing import StepBudget
 from .drafting import static_trees, tree_spec
+from .record import FeatureRecord
 from .rows import Batch, Row, criteria_read_scores, pad_id, sequences
 from .stats import GenerationStats
 from .verification import TopKCut
@@ -53,11 +54,13 @@ class DecodeCall:
     budget: DraftBudget | None
     calibrate: bool | None
     stats: GenerationStats
+    record: FeatureRecord | None  # the base's features kept at every position (full logits computed for them)
 
     @classmethod
     def of(cls, model: PreTrainedModel, input_ids: torch.Tensor, logits_processor: LogitsProcessorList,
            stopping_criteria: StoppingCriteriaList, generation_config: GenerationConfig, streamer, heads, tree,
-           lookup, lookup_max, stats, budget, calibrate, model_kwargs: dict) -> DecodeCall:
+           lookup, lookup_max, stats, budget, calibrate, record: FeatureRecord | None, model_kwargs: dict
+           ) -> DecodeCall:
         """The call from `clover_generate`'s arguments, refusing what would fail only after decoding started."""
         if heads is None:
             raise ValueError("clover_generate needs clover_heads=CloverHeads(...) (or other DraftHeads)")
@@ -69,8 +72,8 @@ class DecodeCall:
             raise ValueError("Clover returns scores and streams for batch size 1 only; pass one sequence at a time")
         prepared = given_cache(model_kwargs)  # generate's or the caller's
         sample, pre_norm = bool(generation_config.do_sample), heads.config.head_input == "pre_norm"
-        # nothing reads a step's scores but acceptance: none kept, no criteria reading them
-        unread = not any(keep) and not criteria_read_scores(stopping_criteria)
+        # nothing reads a step's scores but acceptance: none kept or recorded, no criteria reading them
+        unread = record is None and not any(keep) and not criteria_read_scores(stopping_criteria)
         greedy = not sample and not logits_processor and unread  # reads no logits but each node's argmax
         cut = TopKCut.of(logits_processor, getattr(model.get_output_embeddings(), "out_features", None)) if (
             sample and unread and device.type == "cpu") else None
@@ -85,7 +88,7 @@ class DecodeCall:
         return cls(model, input_ids, caller_device, None if attention_mask is None else attention_mask.to(device),
                    logits_processor, stopping_criteria, generation_config, streamer, keep, sample, pre_norm, cut,
                    dataclasses.replace(plan, forms=backend.forms), backend, cache, budget, calibrate,
-                   stats if stats is not None else GenerationStats())
+                   stats if stats is not None else GenerationStats(), record)
 
     def step_budget(self, batch: Batch) -> StepBudget | None:
         """The budget at work in this call (None: the whole tree every step)."""

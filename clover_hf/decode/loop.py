@@ -23,6 +23,7 @@ from clover_hf.heads.tree import DynamicTree
 from .budget import DraftBudget
 from .call import DecodeCall, decode_context
 from .drafting import stack_trees
+from .record import FeatureRecord
 from .rows import Batch, Row, start_rows
 from .stats import Clock, GenerationStats
 from .steps import accept_rows, draft, emit_rows, feed_heads, fit
@@ -40,17 +41,18 @@ def clover_generate(
     clover_tree: list[list[int]] | DynamicTree | dict | None = None, clover_lookup: int | None = None,
     clover_lookup_max: int | None = None, clover_streamer: object | None = None,
     clover_stats: GenerationStats | None = None, clover_profile: bool = False, clover_int8_draft: bool | None = None,
-    clover_budget: DraftBudget | None = None, clover_calibrate: bool | None = None, **model_kwargs,
+    clover_budget: DraftBudget | None = None, clover_calibrate: bool | None = None,
+    clover_record: FeatureRecord | None = None, **model_kwargs,
 ) -> torch.LongTensor | GenerateDecoderOnlyOutput:
     """Clover decoding, greedy or sampled (from the global torch RNG): transformers' `custom_generate` contract, with
     the `clover_*` arguments `CloverForCausalLM.generate` documents (`clover_int8_draft` is ignored, with a
-    FutureWarning)."""
+    FutureWarning); `clover_record` keeps the base's features at every position (`record.FeatureRecord`)."""
     if clover_int8_draft is not None:
         warnings.warn(INT8_DRAFT_IGNORED, FutureWarning, stacklevel=2)
     call = DecodeCall.of(model, input_ids, logits_processor, stopping_criteria, generation_config,
                          clover_streamer if clover_streamer is not None else streamer, clover_heads, clover_tree,
                          clover_lookup, clover_lookup_max, clover_stats, clover_budget, clover_calibrate,
-                         model_kwargs)
+                         clover_record, model_kwargs)
     plan, backend, stats = call.plan, call.backend, call.stats
     with backend.bound():
         rows, batch = prefill(call)
@@ -74,6 +76,8 @@ def clover_generate(
             clock.lap("accept")
             news, kept = emit_rows(batch.active, drafts, chains, accepted, verified.logits, plan.lookup,
                                    plan.lookup_max)
+            if call.record is not None:
+                call.record.kept(batch.active, kept, verified.hidden, verified.logits)
             batch.keep(kept, node_pos)
             clock.lap("emit + compact")
             backend.after_step(budget, len(batch.active), ids.shape[1], started, sum(k.shape[0] for k in kept))
@@ -91,4 +95,6 @@ def prefill(call: DecodeCall) -> tuple[list[Row], Batch]:
     call.stats.steps += 1
     rows = start_rows(call.input_ids, call.attention_mask, positions, logits, hidden, call.logits_processor,
                       call.sample, call.stopping_criteria, call.streamer, call.keep, call.plan.lookup, call.plan.embed)
+    if call.record is not None:
+        call.record.prefilled(rows, hidden, positions, logits)
     return rows, Batch(rows, cache, positions, layout, plain_mask)

@@ -10,6 +10,12 @@ Examples:
 
     # an interrupted run resumes from its last checkpoint when started again with the same command
 
+    # training data at scale: prompts answered by Clover, features written as it generates (resumable), then
+    # heads trained on them
+    clover-hf distill --max-records 20000 --max-minutes 120
+    clover-hf train --base-model HuggingFaceTB/SmolLM2-135M-Instruct --features ~/.cache/clover_hf/distill/... \
+        --output-dir runs/smol
+
     # Medusa heads for vLLM's Medusa draft model
     clover-hf export runs/medusa/heads vllm-medusa --format vllm-medusa
 
@@ -81,6 +87,23 @@ def make_parser() -> argparse.ArgumentParser:
     _add_dataclass_args(train, DataConfig)
     _add_dataclass_args(train, TrainConfig)
     train.add_argument("--push-to-hub", default=None, metavar="REPO_ID", help="upload the trained heads to this repo")
+
+    distill = sub.add_parser("distill", help="answer prompts with Clover and write their features for training (resumable)",
+                             parents=[common])
+    distill.add_argument("--heads", default=None, help="heads dir or repo (default: the shipped SmolLM2 heads)")
+    distill.add_argument("--base-model", default=None, help="base model (default: the heads' base, or embedded SmolLM2)")
+    distill.add_argument("--data", nargs="+", default=None, help="chat data files, or 'sharegpt' (default)")
+    distill.add_argument("--max-records", type=int, default=None, help="answer at most this many prompts")
+    distill.add_argument("--skip-records", type=int, default=0, help="skip this many records first")
+    distill.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    distill.add_argument("--top-k", type=int, default=8, help="base next-token probabilities kept per position")
+    distill.add_argument("--max-new-tokens", type=int, default=256)
+    distill.add_argument("--max-prompt-tokens", type=int, default=512, help="longer prompts are left out")
+    distill.add_argument("--batch-size", type=int, default=4, help="prompts answered together")
+    distill.add_argument("--shard-tokens", type=int, default=200_000, help="tokens per shard written")
+    distill.add_argument("--out", default=None, help="where the shards go (default: the user cache, named by the run)")
+    distill.add_argument("--max-minutes", type=float, default=None,
+                         help="stop after about this long (the same command goes on later)")
 
     engine = sub.add_parser("export", help="write heads in a serving engine's layout", parents=[common])
     engine.add_argument("heads", help="heads directory or repo (Medusa heads)")
@@ -186,6 +209,10 @@ def _run(args: dict) -> int:
             return STOPPED_EXIT_CODE  # stopped at --max-minutes with a checkpoint
     elif command == "bench":
         bench_command(**args)
+    elif command == "distill":
+        from clover_hf.training.distill import run_distill
+
+        run_distill(**args)
     elif command == "export-generate":
         export_generate_command(**args)
     elif command == "export":

@@ -1,7 +1,8 @@
 """Training data for the heads: self-distilled responses, tokenization, and cached base features.
 
 The base model runs once per training sequence; its last hidden states and top-k next-token
-distributions are stored in safetensors shards, so training epochs never touch the base again.
+distributions (and, for heads that read other states, those) are stored in safetensors shards, read
+memory-mapped, so training epochs never touch the base again.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import multiprocessing
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from clover_hf.base.forward import fused
@@ -24,6 +25,23 @@ from clover_hf.base.parts import layer_outputs, norm_inputs
 
 from .data import Conversation, Record
 from .packing import Example
+
+FEATURE_KEYS = ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_probs")
+BATCH_DTYPES = {"input_ids": torch.long, "loss_mask": torch.bool, "hidden": torch.float32, "topk_ids": torch.long,
+                "topk_probs": torch.float32, "inputs": torch.float32}  # what a batch holds each in
+
+
+def inputs_read(pre_norm: bool, taps: tuple[int, ...]) -> str:
+    """How a shard names the states its `inputs` hold (checked against the heads that train on them)."""
+    return ("pre_norm" if pre_norm else "post_norm") + "".join(f",{t}" for t in taps)
+
+
+def write_shard(tensors: dict[str, torch.Tensor], target: Path, inputs: str) -> None:
+    """Write a shard under a temporary name and rename it once complete (an interrupted run never leaves half of one);
+    its metadata names what its `inputs` hold."""
+    tmp = target.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata={"inputs": inputs})
+    os.replace(tmp, target)
 
 
 def first_prompt(conversation: Conversation) -> Conversation:
@@ -172,9 +190,10 @@ def base_targets(
 @torch.no_grad()
 def cache_features(
     base, examples: list[Example], directory: str | Path, top_k: int = 8, rank: int = 0, world_size: int = 1,
-    shard_tokens: int = 200_000,
+    shard_tokens: int = 200_000, pre_norm: bool = False, taps: tuple[int, ...] = (),
 ) -> None:
-    """Run the base over this process's share of examples; write shards of hidden states and top-k targets.
+    """Run the base over this process's share of examples; write shards of hidden states and top-k targets, and
+    with `pre_norm` or `taps` what such heads read (`inputs`, as `base_targets` gives it).
 
     A shard is written to a temporary name and renamed when complete, so an interrupted run resumes
     from the last finished shard.
@@ -197,11 +216,13 @@ def cache_features(
         if target.exists():
             bar.update(len(indices))
             continue
-        parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_probs", "lengths")}
+        parts: dict[str, list[torch.Tensor]] = {k: [] for k in (*FEATURE_KEYS, "lengths")}
         for i in indices:
             ex = examples[i]
             ids = torch.tensor([ex.input_ids], device=base.device)
-            got = base_targets(base, ids, top_k)
+            got = base_targets(base, ids, top_k, pre_norm=pre_norm, taps=taps)
+            if "inputs" in got:
+                parts.setdefault("inputs", []).append(got["inputs"][0].to(torch.bfloat16).cpu())
             parts["input_ids"].append(ids[0].cpu().int())
             parts["loss_mask"].append(torch.tensor(ex.loss_mask, dtype=torch.uint8))
             parts["hidden"].append(got["hidden"][0].to(torch.bfloat16).cpu())
@@ -209,78 +230,91 @@ def cache_features(
             parts["topk_probs"].append(got["topk_probs"][0].half().cpu())
             parts["lengths"].append(torch.tensor([len(ex.input_ids)], dtype=torch.int64))
             bar.update(1)
-        tensors = {k: torch.cat(v) for k, v in parts.items()}
-        tmp = target.with_suffix(".tmp")
-        save_file(tensors, str(tmp))
-        os.replace(tmp, target)
+        write_shard({k: torch.cat(v) for k, v in parts.items()}, target, inputs_read(pre_norm, taps))
     bar.close()
 
 
-@dataclass
 class FeatureSet:
-    """All cached sequences, concatenated; `offsets[i]:offsets[i+1]` is sequence i."""
+    """Cached sequences over the shards of one or more directories, read memory-mapped: a batch reads its sequences'
+    rows from the files (`safetensors.safe_open`), and no shard is ever loaded whole. Shards hold `input_ids`,
+    `loss_mask`, `hidden` (the base's last states), `topk_ids`, `topk_probs` and `lengths`, and, where the heads read
+    other states (fused layers, or before the final norm), those as `inputs`."""
 
-    input_ids: torch.Tensor  # (N,) int32
-    loss_mask: torch.Tensor  # (N,) uint8
-    hidden: torch.Tensor  # (N, H) bf16
-    topk_ids: torch.Tensor  # (N, k) int32
-    topk_probs: torch.Tensor  # (N, k) fp16
-    offsets: torch.Tensor  # (S+1,)
+    def __init__(self, files: list[Path]) -> None:
+        self.files = files
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        lengths = [h.get_tensor("lengths") for h in self._handles]
+        counts = torch.tensor([0] + [len(n) for n in lengths])
+        self.shard_of = torch.cat([torch.full((len(n),), i, dtype=torch.int64) for i, n in enumerate(lengths)])
+        self.first = counts.cumsum(0)  # the global index of each shard's first sequence
+        self.offsets = [torch.cat([torch.zeros(1, dtype=torch.int64), n.cumsum(0)]) for n in lengths]
+        self.lengths = torch.cat(lengths)
+        first, ref = files[0], self._handles[0]
+        self.keys = [k for k in (*FEATURE_KEYS, "inputs") if k in ref.keys()]
+        for f, h in zip(files[1:], self._handles[1:]):
+            for key in ("hidden", "topk_ids", "inputs"):
+                ours = h.get_slice(key).get_shape()[1:] if key in h.keys() else None
+                theirs = ref.get_slice(key).get_shape()[1:] if key in ref.keys() else None
+                if ours != theirs:
+                    raise ValueError(
+                        f"{f} holds '{key}' of width {ours} but {first} has {theirs}: features from different bases, "
+                        "--top-k or heads' inputs (--feature-layers, --head-input) cannot be mixed")
 
     def __len__(self) -> int:
-        return self.offsets.shape[0] - 1
+        return len(self.lengths)
 
     @classmethod
     def load(cls, *directories: str | Path) -> "FeatureSet":
         """Every shard of the given directories, in order; all must come from the same base."""
-        shards = []
+        files = []
         for directory in directories:
-            files = sorted(Path(directory).glob("shard-*.safetensors"))
-            if not files:
+            found = sorted(Path(directory).glob("shard-*.safetensors"))
+            if not found:
                 raise FileNotFoundError(f"no feature shards in {directory}")
-            shards += [(f, load_file(str(f))) for f in files]
-        first, ref = shards[0]
-        for f, s in shards[1:]:
-            for key in ("hidden", "topk_ids"):
-                if s[key].shape[1:] != ref[key].shape[1:]:
-                    raise ValueError(
-                        f"{f} holds '{key}' of width {s[key].shape[1]} but {first} has {ref[key].shape[1]}: "
-                        "features from different bases or --top-k cannot be mixed"
-                    )
-        lengths = torch.cat([s["lengths"] for _, s in shards])
-        return cls(
-            **{k: torch.cat([s[k] for _, s in shards]) for k in ("input_ids", "loss_mask", "hidden", "topk_ids", "topk_probs")},
-            offsets=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
-        )
+            files += found
+        return cls(files)
+
+    def inputs_read(self) -> str:
+        """What the shards' `inputs` hold (`inputs_read`); "post_norm" where they hold none (the heads read `hidden`)."""
+        return (self._handles[0].metadata() or {}).get("inputs", "post_norm") if "inputs" in self.keys else "post_norm"
+
+    def width(self, key: str) -> int | None:
+        """The width of `key` per position (None: the shards do not hold it)."""
+        return self._handles[0].get_slice(key).get_shape()[1] if key in self.keys else None
+
+    def _span(self, i: int) -> tuple[int, int, int]:
+        shard = int(self.shard_of[i])
+        j = i - int(self.first[shard])
+        return shard, int(self.offsets[shard][j]), int(self.offsets[shard][j + 1])
 
     def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """Right-padded batch of sequences (padding has loss_mask 0)."""
-        spans = [(int(self.offsets[i]), int(self.offsets[i + 1])) for i in indices]
-        width = max(e - s for s, e in spans)
-        out = {
-            "input_ids": torch.zeros(len(spans), width, dtype=torch.long),
-            "loss_mask": torch.zeros(len(spans), width, dtype=torch.bool),
-            "hidden": torch.zeros(len(spans), width, self.hidden.shape[1], dtype=torch.float32),
-            "topk_ids": torch.zeros(len(spans), width, self.topk_ids.shape[1], dtype=torch.long),
-            "topk_probs": torch.zeros(len(spans), width, self.topk_probs.shape[1], dtype=torch.float32),
-        }
-        for row, (s, e) in enumerate(spans):
-            n = e - s
-            out["input_ids"][row, :n] = self.input_ids[s:e]
-            out["loss_mask"][row, :n] = self.loss_mask[s:e].bool()
-            out["hidden"][row, :n] = self.hidden[s:e].float()
-            out["topk_ids"][row, :n] = self.topk_ids[s:e]
-            out["topk_probs"][row, :n] = self.topk_probs[s:e].float()
+        spans = [self._span(i) for i in indices]
+        width = max(e - s for _, s, e in spans)
+        out = {}
+        for key in self.keys:
+            shape = self._handles[0].get_slice(key).get_shape()[1:]
+            out[key] = torch.zeros(len(spans), width, *shape, dtype=BATCH_DTYPES[key])
+            for row, (shard, s, e) in enumerate(spans):
+                out[key][row, : e - s] = self._handles[shard].get_slice(key)[s:e].to(BATCH_DTYPES[key])
         return out
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:
-        """How often each token is a training target (drives the draft vocabulary)."""
-        return torch.bincount(self.input_ids[self.loss_mask.bool()].long(), minlength=vocab_size)
+        """How often each token is a training target (drives the draft vocabulary), read a shard at a time."""
+        counts = torch.zeros(vocab_size, dtype=torch.int64)
+        for h in self._handles:
+            counts += torch.bincount(h.get_tensor("input_ids")[h.get_tensor("loss_mask").bool()].long(),
+                                     minlength=vocab_size)
+        return counts
 
     @property
     def tokens(self) -> int:
-        return int(self.offsets[-1])
+        return int(self.lengths.sum())
 
     def count_tokens(self, indices: list[int]) -> int:
         """Tokens of these sequences."""
-        return sum(int(self.offsets[i + 1] - self.offsets[i]) for i in indices)
+        return int(self.lengths[indices].sum())
+
+    def read(self, key: str) -> torch.Tensor:
+        """Every position's `key`, concatenated over the shards (for small sets and tests: it loads them all)."""
+        return torch.cat([h.get_tensor(key) for h in self._handles])

@@ -53,6 +53,10 @@ class DataConfig:
         default_factory=list,
         metadata={"help": "Feature directories cached by earlier runs on the same base, trained on as well."},
     )
+    features: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Train on these feature directories alone (made by `clover-hf distill`), reading no records."},
+    )
 
 
 def make_accelerator(mixed_precision: str = "no") -> Accelerator:
@@ -111,10 +115,17 @@ def read_base_config(name: str, revision: str | None):
         raise OSError(f"cannot load the base model {name!r}: {e}") from e
 
 
-def prepare_data(data: DataConfig, out: Path, accelerator: Accelerator, log=print):
-    """Records -> (optional self-distillation) -> token ids -> cached base features, or rows packed for
-    training online. Returns (base, tokenizer, FeatureSet or PackedRows)."""
+def prepare_data(data: DataConfig, out: Path, accelerator: Accelerator, log=print, pre_norm: bool = False,
+                 taps: tuple[int, ...] = ()):
+    """Records -> (optional self-distillation) -> token ids -> cached base features (with what heads that read
+    `pre_norm` states or `taps` read), or rows packed for training online; or the feature directories `data.features`
+    as they are. Returns (base, tokenizer, FeatureSet or PackedRows)."""
     check_inputs(data, read_base_config(data.base_model, data.base_revision))
+    if data.features:
+        if data.online:
+            raise ValueError("--features are cached features, and online training runs the base itself: drop one")
+        tokenizer = AutoTokenizer.from_pretrained(data.base_model, revision=data.base_revision)
+        return load_base(data, accelerator.device), tokenizer, FeatureSet.load(*data.features, *data.extra_features)
     records = read_records(data.data, data.max_records, data.skip_records)
     tokenizer = AutoTokenizer.from_pretrained(data.base_model, revision=data.base_revision)
     check_chat_template(records, tokenizer, data)
@@ -144,9 +155,10 @@ def prepare_data(data: DataConfig, out: Path, accelerator: Accelerator, log=prin
     log(f"{len(examples)} sequences, {sum(len(e.input_ids) for e in examples)} tokens")
     # Keyed by content, so changing the data, length or base never reuses stale features.
     digest = hashlib.sha256(json.dumps([data.base_model, data.base_revision, data.base_dtype, data.top_k,
-                                        [e.input_ids for e in examples]]).encode()).hexdigest()[:12]
+                                        [e.input_ids for e in examples]] + ([pre_norm, taps] if pre_norm or taps else [])
+                                       ).encode()).hexdigest()[:12]
     feature_dir = out / f"features-{digest}-w{world}"
-    cache_features(base, examples, feature_dir, data.top_k, rank, world)
+    cache_features(base, examples, feature_dir, data.top_k, rank, world, pre_norm=pre_norm, taps=taps)
     accelerator.wait_for_everyone()
     return base, tokenizer, FeatureSet.load(feature_dir, *data.extra_features)
 
@@ -208,7 +220,8 @@ def _train_heads(data: DataConfig, train: TrainConfig, accelerator: Accelerator,
     log = log if accelerator.is_main_process else (lambda *a, **k: None)
     out = Path(train.output_dir)
     started = time.time()
-    base, tokenizer, features = prepare_data(data, out, accelerator, log)
+    base, tokenizer, features = prepare_data(data, out, accelerator, log, pre_norm=train.head_input == "pre_norm",
+                                             taps=tuple(train.feature_layers or ()))
     prep_seconds = time.time() - started
     torch.manual_seed(train.seed)
     clover = CloverForCausalLM.from_base(

@@ -28,7 +28,7 @@ from clover_hf.heads.config import check_head_type
 from clover_hf.heads.base import DraftHeads, document_ids
 from clover_hf.heads.lm_head import DraftLMHead
 
-from .features import FeatureSet, base_targets
+from .features import FeatureSet, base_targets, inputs_read
 from .packing import PackedRows
 
 RANKS = 10  # evaluation records where the base's top-1 falls among each head's top-10 (shapes the tree)
@@ -52,7 +52,7 @@ class TrainConfig:
     )
     head_input: str = field(
         default="post_norm", metadata={"help": "The base's states the heads read: post_norm, or pre_norm (Clover-2; "
-                                               "needs --online)."}
+                                               "cached with the features, or --online)."}
     )
     decoder_bias: bool = field(default=False, metadata={"help": "Biases on the Attention Decoders' q, k, v (Clover-2)."})
     embed_from_lm_head: bool = field(
@@ -79,7 +79,8 @@ class TrainConfig:
     )
     feature_layers: list[int] | None = field(
         default=None, metadata={"help": "Clover: the heads also read these decoder layers' outputs, fused with the "
-                                        "last hidden state (EAGLE-3, arXiv 2503.01840), e.g. 2 15; needs --online."}
+                                        "last hidden state (EAGLE-3, arXiv 2503.01840), e.g. 2 15; cached with "
+                                        "the features, or --online."}
     )
     draft_vocab_size: int | None = field(default=8192, metadata={"help": "Frequent tokens to draft from (None: all)."})
     max_steps: int = field(default=1000, metadata={"help": "Optimizer steps (unless --epochs)."})
@@ -254,12 +255,10 @@ class Trainer:
             raise ValueError("labels='full' learns the base's whole distribution, which cached features do not keep: "
                              "train online (--online) or use labels='top_k'")
         self.pre_norm, self.taps = heads.config.head_input == "pre_norm", heads.taps
-        if self.pre_norm and not self.online:
-            raise ValueError("heads with head_input='pre_norm' read the base's states before its final norm, which "
-                             "cached features do not keep: train online (--online)")
-        if self.taps and not self.online:
-            raise ValueError("heads with feature_layers read the outputs of the base's decoder layers, which cached "
-                             "features do not keep: train online (--online)")
+        wanted = inputs_read(self.pre_norm, self.taps)
+        if not self.online and data.inputs_read() != wanted:
+            raise ValueError(f"the heads read {wanted!r} (head_input, feature_layers), but the cached features hold "
+                             f"{data.inputs_read()!r}: cache them again for these heads, or train online (--online)")
         self.out = Path(config.output_dir)
         n = len(data)
         g = torch.Generator().manual_seed(config.seed)
