@@ -80,7 +80,7 @@ def _run(tiny_base, tmp_path, answer=None, **settings_changes):
     tok = AutoTokenizer.from_pretrained(tiny_base)
     prompts = [[{"role": "user", "content": "q" * (i + 1)}] for i in range(5)]
     settings = {**distill_settings(clover, prompts, tiny_base, "random", 4, 6, 512), **settings_changes}
-    return distill(clover, tok, prompts, tmp_path / "d", settings, batch_size=2, shard_tokens=1, log=lambda *_: None)
+    return distill(clover, tok, prompts, tmp_path / "d", settings, batch_size=2, shard_tokens=1, log=lambda *_: None)[0]
 
 
 def test_a_run_writes_shards_resumes_where_it_stopped_and_refuses_other_settings(tiny_base, tmp_path, monkeypatch):

@@ -95,10 +95,11 @@ def open_run(directory: Path, settings: dict) -> Manifest:
 @torch.no_grad()
 def distill(clover, tokenizer, prompts: list[Conversation], directory: str | Path, settings: dict,
             batch_size: int = 4, shard_tokens: int = 200_000, max_seconds: float | None = None,
-            log=print) -> Manifest:
+            log=print) -> tuple[Manifest, int]:
     """Answer `prompts` greedily with `clover` (shortest first, `batch_size` at a time) and write each answer's
-    features into shards of about `shard_tokens` tokens in `directory`, skipping prompts its manifest says are done;
-    stop after `max_seconds` (the shard in progress is written first). Returns the manifest."""
+    features into shards of about `shard_tokens` tokens in `directory`, skipping prompts its manifest says are done
+    and those longer than `max_prompt_tokens`; stop after `max_seconds` (the shard in progress is written first).
+    Returns the manifest and how many prompts are left to answer."""
     directory = Path(directory)
     manifest = open_run(directory, settings)
     deadline = None if max_seconds is None else time.monotonic() + max_seconds
@@ -108,13 +109,16 @@ def distill(clover, tokenizer, prompts: list[Conversation], directory: str | Pat
                   key=lambda i: len(encoded[i]))
     pad_id = next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None)
     log(f"{len(manifest.done)} of {len(prompts)} prompts answered in {directory} ({manifest.tokens} tokens); "
-        f"{len(todo)} to go")
+        f"{len(todo)} to go" + (f", {len(encoded) - len(todo)} longer than {settings['max_prompt_tokens']} tokens "
+                                "left out" if len(encoded) > len(todo) else ""))
+    answered = 0
     shard, started, bar = _Shard(), time.monotonic(), tqdm(total=len(todo), desc="distill", unit="prompt")
     for n, start in enumerate(range(0, len(todo), batch_size)):
         if deadline is not None and time.monotonic() >= deadline:
             break
         batch = todo[start : start + batch_size]
         shard.add(batch, _answer(clover, [encoded[i] for i in batch], pad_id, settings))
+        answered += len(batch)
         bar.update(len(batch))
         if n == 0 and len(todo) > batch_size:
             each = time.monotonic() - started
@@ -125,7 +129,7 @@ def distill(clover, tokenizer, prompts: list[Conversation], directory: str | Pat
             shard = _Shard()
     shard.write(directory, manifest, settings["inputs"])
     bar.close()
-    return manifest
+    return manifest, len(todo) - answered
 
 
 class _Shard:
@@ -219,9 +223,8 @@ def run_distill(heads: str | None = None, base_model: str | None = None, data: l
     base_name = base_model or clover.clover_config.base_model_name_or_path or base_path
     settings = distill_settings(clover, prompts, base_name, heads, top_k, max_new_tokens, max_prompt_tokens)
     directory = Path(out).expanduser() if out else default_directory(settings)
-    manifest = distill(clover, tokenizer, prompts, directory, settings, batch_size, shard_tokens,
-                       None if max_minutes is None else 60 * max_minutes, log)
-    left = len(prompts) - len(manifest.done)
+    manifest, left = distill(clover, tokenizer, prompts, directory, settings, batch_size, shard_tokens,
+                             None if max_minutes is None else 60 * max_minutes, log)
     log(f"{len(manifest.done)} prompts answered, {manifest.tokens} tokens in {len(manifest.shards)} shards in "
         f"{directory}" + (f"; {left} left: the same command goes on where this stopped" if left else ""))
     log(f"train on them: clover-hf train --base-model {base_name} --features {directory} ...")
