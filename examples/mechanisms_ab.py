@@ -10,6 +10,7 @@ machine whose speed drifts moves them all alike), each variant with a budget and
   them), against the default gate that pauses them while drafting does not pay.
 
     python examples/mechanisms_ab.py --dtype bfloat16 --limit 20
+    python examples/mechanisms_ab.py --dtype bfloat16 --limit 16 --batch-size 4 --no-no-copies-run
 """
 
 from __future__ import annotations
@@ -43,16 +44,21 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--limit", type=int, default=20)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--no-copies-run", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run without weight copies (slow where the kernel computes from them)")
     args = parser.parse_args()
     model, tokenizer = load_default(getattr(torch, args.dtype))
     with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b, tempfile.TemporaryDirectory() as c:
         default = DraftBudget(cache_dir=a)
         runs = {ONE_TOKEN: {"budget": default.one_token()}, "clover": {"budget": default},
-                "clover, no weight copies": {"budget": DraftBudget(cache_dir=b, weight_copies=False)},
                 "clover, gate never pauses": {"budget": UngatedBudget(cache_dir=c)}}
+        if args.no_copies_run:
+            runs["clover, no weight copies"] = {"budget": DraftBudget(cache_dir=b, weight_copies=False)}
         results = run_benchmark(model, tokenizer, read_prompts("mtbench", args.limit), args.max_new_tokens,
-                                prompt_lookup=False, clover_runs=runs)
-    print(f"{args.limit} prompts, {args.max_new_tokens} new tokens, {args.dtype}; machine: {describe_machine()}")
+                                prompt_lookup=False, clover_runs=runs, batch_size=args.batch_size)
+    print(f"{args.limit} prompts, {args.max_new_tokens} new tokens, {args.dtype}, batch {args.batch_size}; "
+          f"machine: {describe_machine()}")
     print(markdown_table(results, model.clover_config.num_heads))
     print(speculation_shares(results))
 
