@@ -4,6 +4,8 @@ as the last hidden state alone, and configs that say what they read."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -170,6 +172,10 @@ def test_fused_heads_train_online_and_on_features_cached_with_their_taps(tmp_pat
     from_cache, from_base = cached._device_batch([0]), online._device_batch([0])
     assert from_cache["inputs"].shape == from_base["inputs"].shape == (1, 12, 3 * base.config.hidden_size)
     torch.testing.assert_close(from_cache["inputs"], from_base["inputs"], rtol=0.01, atol=0.01)  # stored in bf16
+    plain_heads = CloverForCausalLM.from_base(base, num_heads=2, draft_vocab_size=64).clover_heads
+    plain_config = dataclasses.replace(config, feature_layers=None)
+    on_taps = Trainer(plain_config, plain_heads, base, FeatureSet.load(tmp_path / "t"), top_k=4)  # reads `hidden`
+    assert "inputs" not in on_taps._device_batch([0])
 
 
 @pytest.mark.parametrize("isa", BUILDS)

@@ -340,3 +340,18 @@ def test_label_mask_trains_on_fewer_positions_and_evaluates_on_all(tiny_base, tm
     assert masked[1]["n"] < masked[0]["n"]  # deeper heads read more tokens: fewer contexts reached
     with pytest.raises(ValueError, match="label_mask"):
         TrainConfig(output_dir="o", label_mask=0)
+
+
+def test_runs_with_other_seeds_hold_out_the_same_sequences_under_one_eval_seed(tiny_base, tmp_path):
+    base = AutoModelForCausalLM.from_pretrained(tiny_base).eval().requires_grad_(False)
+    cache_features(base, [Example(prompt(i, 12)[0].tolist(), [1] * 12) for i in range(20)], tmp_path / "f", top_k=4)
+    features = FeatureSet.load(tmp_path / "f")
+
+    def held_out(**kwargs) -> list[int]:
+        heads = CloverForCausalLM.from_base(base, num_heads=2, draft_vocab_size=64).clover_heads
+        config = TrainConfig(output_dir=str(tmp_path / "o"), eval_fraction=0.25, **kwargs)
+        return Trainer(config, heads, base, features, top_k=4).eval_ids
+
+    assert held_out(seed=0) != held_out(seed=1)  # by default the seed picks them
+    assert held_out(seed=0, eval_seed=0) == held_out(seed=1, eval_seed=0) == held_out(seed=0)
+

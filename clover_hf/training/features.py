@@ -287,12 +287,12 @@ class FeatureSet:
         j = i - int(self.first[shard])
         return shard, int(self.offsets[shard][j]), int(self.offsets[shard][j + 1])
 
-    def batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        """Right-padded batch of sequences (padding has loss_mask 0)."""
+    def batch(self, indices: list[int], without: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        """Right-padded batch of sequences (padding has loss_mask 0), the keys `without` names left unread."""
         spans = [self._span(i) for i in indices]
         width = max(e - s for _, s, e in spans)
         out = {}
-        for key in self.keys:
+        for key in (k for k in self.keys if k not in without):
             shape = self._handles[0].get_slice(key).get_shape()[1:]
             out[key] = torch.zeros(len(spans), width, *shape, dtype=BATCH_DTYPES[key])
             for row, (shard, s, e) in enumerate(spans):

@@ -114,6 +114,10 @@ class TrainConfig:
         default=None, metadata={"help": "Start from these heads (directory or repo id) instead of fresh ones."}
     )
     seed: int = 0
+    eval_seed: int | None = field(
+        default=None, metadata={"help": "The seed that picks the held-out sequences (default: --seed); runs with other "
+                                        "seeds and this one evaluate on the same sequences."}
+    )
     mixed_precision: str = field(default="no", metadata={"help": "Accelerate mixed precision: no, bf16, fp16."})
 
     def __post_init__(self) -> None:
@@ -256,12 +260,14 @@ class Trainer:
                              "train online (--online) or use labels='top_k'")
         self.pre_norm, self.taps = heads.config.head_input == "pre_norm", heads.taps
         wanted = inputs_read(self.pre_norm, self.taps)
-        if not self.online and data.inputs_read() != wanted:
+        # heads that read the last states take `hidden` from any shards; others need shards cached for them
+        self.read_inputs = wanted != inputs_read(False, ())
+        if not self.online and self.read_inputs and data.inputs_read() != wanted:
             raise ValueError(f"the heads read {wanted!r} (head_input, feature_layers), but the cached features hold "
                              f"{data.inputs_read()!r}: cache them again for these heads, or train online (--online)")
         self.out = Path(config.output_dir)
         n = len(data)
-        g = torch.Generator().manual_seed(config.seed)
+        g = torch.Generator().manual_seed(config.seed if config.eval_seed is None else config.eval_seed)
         order = torch.randperm(n, generator=g).tolist()
         n_eval = int(n * config.eval_fraction) if n > 1 else 0
         self.eval_ids, self.train_ids = order[:n_eval], order[n_eval:]
@@ -303,7 +309,8 @@ class Trainer:
         return [self.train_ids[j] for j in chosen[rank::world]] or [self.train_ids[chosen[0]]]
 
     def _device_batch(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        batch = {k: v.to(self.accelerator.device) for k, v in self.data.batch(indices).items()}
+        read = self.data.batch(indices) if self.online or self.read_inputs else self.data.batch(indices, ("inputs",))
+        batch = {k: v.to(self.accelerator.device) for k, v in read.items()}
         if self.online:
             targets = base_targets(self.base, batch["input_ids"], self.top_k, batch["position_ids"],
                                    self.draft_token_ids, full=self.config.labels == "full", pre_norm=self.pre_norm,
