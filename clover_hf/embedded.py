@@ -149,6 +149,15 @@ def shipped_heads_path(head_type: str = "clover") -> Path:
     return Path(__file__).parent / "pretrained" / name
 
 
+def heads_and_base(heads: str | None, base_model: str | None, dtype: torch.dtype) -> tuple[str, str | None]:
+    """The heads a command runs (default: the shipped ones) and their base: as given, else the embedded SmolLM2 in
+    `dtype` for the shipped heads (None for others: the base their config names)."""
+    heads = heads or str(shipped_heads_path())
+    if base_model is None and heads == str(shipped_heads_path()):
+        base_model = str(base_model_path(dtype))
+    return heads, base_model
+
+
 def load_default(dtype: torch.dtype | None = None, cache_dir: str | Path | None = None):
     """The embedded SmolLM2-135M-Instruct with the shipped heads: returns (CloverForCausalLM, tokenizer).
 

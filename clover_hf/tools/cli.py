@@ -275,9 +275,7 @@ def bench_command(heads, base_model, dtype, quantize, prompts, limit, max_new_to
     device = torch.device(device)
     torch_dtype = getattr(torch, dtype)
     shipped = heads is None
-    heads = heads or str(embedded.shipped_heads_path())
-    if base_model is None and heads == str(embedded.shipped_heads_path()):
-        base_model = str(embedded.base_model_path(torch_dtype))
+    heads, base_model = embedded.heads_and_base(heads, base_model, torch_dtype)
     model = CloverForCausalLM.from_pretrained(heads, base_model=base_model, dtype=torch_dtype).to(device).eval()
     if quantize:
         quantize_base(model.base_model, quantize)

@@ -24,7 +24,7 @@ from clover_hf.core.user_cache import default_cache_dir
 from clover_hf.decode.record import FeatureRecord
 
 from .data import Conversation
-from .features import inputs_read, write_shard
+from .features import inputs_read, left_padded, write_shard
 
 MANIFEST = "manifest.json"
 
@@ -160,12 +160,8 @@ class _Shard:
 def _answer(clover, prompts: list[list[int]], pad_id: int, settings: dict) -> list[dict[str, torch.Tensor]]:
     """One batch of token-id prompts answered, each as a sequence of the shards: its text (the prompt, then the answer,
     the only positions it learns from) and the features at every position, the last's zero (never read)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, p in enumerate(prompts):  # left padding for decoder-only batched generation
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
+    ids, mask = left_padded(prompts, pad_id)
+    width = ids.shape[1]
     record = FeatureRecord(settings["top_k"])
     device = clover.base_model.device
     out = clover.generate(ids.to(device), attention_mask=mask.to(device), do_sample=False,
@@ -209,11 +205,7 @@ def run_distill(heads: str | None = None, base_model: str | None = None, data: l
     from .pipeline import SHAREGPT, read_records
 
     torch_dtype = getattr(torch, dtype)
-    heads = heads or str(embedded.shipped_heads_path())
-    if base_model is None and heads == str(embedded.shipped_heads_path()):
-        base_path = str(embedded.base_model_path(torch_dtype))
-    else:
-        base_path = base_model
+    heads, base_path = embedded.heads_and_base(heads, base_model, torch_dtype)
     clover = CloverForCausalLM.from_pretrained(heads, base_model=base_path, dtype=torch_dtype).eval()
     tokenizer = AutoTokenizer.from_pretrained(clover.base_model.config._name_or_path)
     records = read_records(data or [SHAREGPT], max_records, skip_records)

@@ -44,6 +44,17 @@ def write_shard(tensors: dict[str, torch.Tensor], target: Path, inputs: str) -> 
     os.replace(tmp, target)
 
 
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-id prompts as one left-padded batch, as decoder-only batched generation takes them: (ids, mask)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    return ids, mask
+
+
 def first_prompt(conversation: Conversation) -> Conversation:
     """The messages up to and including the first user turn (system prompt kept)."""
     for i, message in enumerate(conversation):
@@ -84,12 +95,8 @@ def self_distill(
             if deadline is not None and time.monotonic() >= deadline:
                 break
             batch = todo[start : start + batch_size]
-            width = max(len(encoded[i]) for i in batch)
-            ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, i in enumerate(batch):  # left padding for decoder-only batched generation
-                ids[row, width - len(encoded[i]) :] = torch.tensor(encoded[i])
-                mask[row, width - len(encoded[i]) :] = 1
+            ids, mask = left_padded([encoded[i] for i in batch], pad_id)
+            width = ids.shape[1]
             gen = base.generate(
                 input_ids=ids.to(base.device), attention_mask=mask.to(base.device), max_new_tokens=max_new_tokens,
                 do_sample=False, pad_token_id=pad_id,
@@ -241,7 +248,6 @@ class FeatureSet:
     other states (fused layers, or before the final norm), those as `inputs`."""
 
     def __init__(self, files: list[Path]) -> None:
-        self.files = files
         self._handles = [safe_open(str(f), framework="pt") for f in files]
         lengths = [h.get_tensor("lengths") for h in self._handles]
         counts = torch.tensor([0] + [len(n) for n in lengths])
@@ -251,10 +257,11 @@ class FeatureSet:
         self.lengths = torch.cat(lengths)
         first, ref = files[0], self._handles[0]
         self.keys = [k for k in (*FEATURE_KEYS, "inputs") if k in ref.keys()]
+        self.shapes = {k: ref.get_slice(k).get_shape()[1:] for k in self.keys}  # each key's shape per position
         for f, h in zip(files[1:], self._handles[1:]):
             for key in ("hidden", "topk_ids", "inputs"):
                 ours = h.get_slice(key).get_shape()[1:] if key in h.keys() else None
-                theirs = ref.get_slice(key).get_shape()[1:] if key in ref.keys() else None
+                theirs = self.shapes.get(key)
                 if ours != theirs:
                     raise ValueError(
                         f"{f} holds '{key}' of width {ours} but {first} has {theirs}: features from different bases, "
@@ -278,10 +285,6 @@ class FeatureSet:
         """What the shards' `inputs` hold (`inputs_read`); "post_norm" where they hold none (the heads read `hidden`)."""
         return (self._handles[0].metadata() or {}).get("inputs", "post_norm") if "inputs" in self.keys else "post_norm"
 
-    def width(self, key: str) -> int | None:
-        """The width of `key` per position (None: the shards do not hold it)."""
-        return self._handles[0].get_slice(key).get_shape()[1] if key in self.keys else None
-
     def _span(self, i: int) -> tuple[int, int, int]:
         shard = int(self.shard_of[i])
         j = i - int(self.first[shard])
@@ -293,8 +296,7 @@ class FeatureSet:
         width = max(e - s for _, s, e in spans)
         out = {}
         for key in (k for k in self.keys if k not in without):
-            shape = self._handles[0].get_slice(key).get_shape()[1:]
-            out[key] = torch.zeros(len(spans), width, *shape, dtype=BATCH_DTYPES[key])
+            out[key] = torch.zeros(len(spans), width, *self.shapes[key], dtype=BATCH_DTYPES[key])
             for row, (shard, s, e) in enumerate(spans):
                 out[key][row, : e - s] = self._handles[shard].get_slice(key)[s:e].to(BATCH_DTYPES[key])
         return out
