@@ -3,6 +3,7 @@ online), train, save (and push)."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import time
@@ -211,7 +212,11 @@ def train_heads(data: DataConfig, train: TrainConfig, push_to_hub: str | None = 
     accelerator = make_accelerator(train.mixed_precision)
     try:
         return _train_heads(data, train, accelerator, push_to_hub, log)
-    finally:  # gloo's and NCCL's threads stop here, not in the interpreter's exit (which can abort the process)
+    finally:
+        # The DDP-wrapped heads hold the process group: drop them before ending it, or the group's threads are
+        # torn down later, in the interpreter's exit, which can abort a process after its work is saved.
+        accelerator.free_memory()
+        gc.collect()
         accelerator.end_training()
 
 
