@@ -10,6 +10,12 @@ elsewhere than plain's):
 
 `--stored`: the first call of a new process on a machine whose costs an earlier process learnt and stored
 (the forms are known, their weight copies are still to be made), as every process after a user's first runs.
+
+`--base DIR`: a base of another family instead of the embedded model, with heads made fresh by
+`CloverForCausalLM.from_base`, as a user who has trained none yet tries it (prompts as plain text when the
+tokenizer has no chat template):
+
+    python examples/first_call.py --base /tmp/gemma3-270m --dtype float32 --batches 3 --max-new-tokens 48
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ import time
 
 import torch
 
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from clover_hf import CloverForCausalLM
 from clover_hf.core.hardware import describe_machine
 from clover_hf.cpu.dtype import default_dtype
 from clover_hf.decode.budget import DraftBudget
@@ -36,16 +45,17 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--stored", action="store_true",
                         help="costs stored by an earlier process (learnt here first, on other prompts)")
+    parser.add_argument("--base", default=None, help="a base model (directory or Hub id) with fresh heads")
     args = parser.parse_args()
     dtype = default_dtype("cpu") if args.dtype == "auto" else getattr(torch, args.dtype)
-    model, tokenizer = load_default(dtype)
+    model, tokenizer = load_default(dtype) if args.base is None else fresh_heads(args.base, dtype)
     count = args.batch_size * args.batches
     prompts = read_prompts("mtbench", args.first_prompt + count)[args.first_prompt:]
-    batches = encode_batches(tokenizer, prompts, args.batch_size, model.device)
+    batches = encode(tokenizer, prompts, args.batch_size, model.device)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     model.base_model.generate(**batches[0], max_new_tokens=4, do_sample=False)  # plain's own warm-up
     print(f"machine: {describe_machine()}; {dtype}; batch {args.batch_size}")
-    learn_on = encode_batches(tokenizer, read_prompts("mtbench", 3), args.batch_size, model.device)
+    learn_on = encode(tokenizer, read_prompts("mtbench", 3), args.batch_size, model.device)
     for k, inputs in enumerate(batches):
         with tempfile.TemporaryDirectory() as empty:
             if args.stored:  # an earlier process learns and stores the costs
@@ -64,6 +74,22 @@ def main() -> None:
         print(f"batch {k + 1}: plain {times[0]:.2f} / {times[3]:.2f} s ({tokens[0]} tokens); Clover's first call "
               f"{times[1]:.2f} s, {tokens[1]} tokens ({tokens[1] / times[1] / plain:.2f}x plain's tokens/s), second "
               f"{times[2]:.2f} s, {tokens[2]} tokens ({tokens[2] / times[2] / plain:.2f}x)")
+
+
+def fresh_heads(base: str, dtype: torch.dtype):
+    """A base of the user's, wrapped with untrained heads."""
+    torch.manual_seed(0)
+    model = CloverForCausalLM.from_base(AutoModelForCausalLM.from_pretrained(base, dtype=dtype).eval())
+    return model, AutoTokenizer.from_pretrained(base)
+
+
+def encode(tokenizer, prompts: list[str], batch_size: int, device) -> list[dict[str, torch.Tensor]]:
+    """Chat-formatted where the tokenizer has a template, plain text otherwise."""
+    if getattr(tokenizer, "chat_template", None):
+        return encode_batches(tokenizer, prompts, batch_size, device)
+    tokenizer.padding_side = "left"
+    return [dict(tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=batch_size > 1).to(device))
+            for i in range(0, len(prompts), batch_size)]
 
 
 if __name__ == "__main__":

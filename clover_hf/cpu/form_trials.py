@@ -39,6 +39,7 @@ from .linears import (
     ONE_ROW_GAIN,
     WeightCopies,
     _candidates,
+    copy_nbytes,
     copy_forms_for,
     one_row_forms,
 )
@@ -51,9 +52,11 @@ COVERAGE = 0.75  # a row count settles once the shapes timed at it hold this sha
 ROW_COUNTS = tuple(1 << k for k in range(MAX_ROWS.bit_length()))  # 1, 2, 4, ... MAX_ROWS
 RESERVE_STEPS = 2.0  # a call learns while ahead of plain `generate` by this many of plain's one-token forwards (a
 # wide step in forms being timed costs up to about two more than a one-token step)
-LEARN_ANYWAY = 2.0  # seconds after which a call learns even if not ahead (one-token steps that gain nothing never
-# get ahead: speculation is then the only gain, and it needs the wider forms) ...
-COPY_ALLOWANCE = 0.5  # ... making copies while their making took at most this share of the call's time
+PLAIN_SHARE = 0.85  # plain's one-token forward counts at this share of its timed time: timed once or twice inside a
+# call's own forwards, it had overstated plain `generate`'s by 15%, a lead the call then spent on copies
+COPY_BYTES_S = 0.5e9  # how fast weight copies are made, until the trials have timed their own: a copy is made only
+# where the call stays ahead by its reserve once the copy is made (an output embedding of a large vocabulary in
+# float32, copied at once, had cost a first call more than a second)
 
 
 def row_bucket(rows: int) -> int:
@@ -120,7 +123,7 @@ class FormTrials:
         self.providing = False  # the call began with copies the settled forms compute from still to make
         self.used: set[int] = set()  # the layers (by id) that computed products here
         self.stacked_products: dict[nn.Linear, _Stacked] = {}  # by a group's first layer, in this call
-        self.copy_s = 0.0  # seconds spent making copies in this call
+        self.copied_bytes, self.copying_s = 0, 0.0  # the copies made so far (in any call), and their time
         # products the trials computed (`product`: timed or not, copies made on the way): a step that ran any is no
         # measure of what a step costs
         self.unsettled = 0
@@ -149,7 +152,7 @@ class FormTrials:
         while copies the settled forms compute from are still to be made (`providing`)."""
         self.learnt.clear()
         self.stacked_products = {}
-        self.started, self.copy_s = self.clock(), 0.0
+        self.started = self.clock()
         self.prefill_s, self.tokens = 0.0, 0
         self.providing = not self.copied()
 
@@ -163,11 +166,11 @@ class FormTrials:
 
     def ahead_s(self) -> float | None:
         """Seconds by which the call is ahead of plain `generate`'s time for its prefill and tokens so far (its
-        one-token forwards taken at their least timed time; plain's steps also process logits, so plain
-        takes somewhat longer); None until plain's one-token forward is timed."""
+        one-token forwards at PLAIN_SHARE of their least timed time); None until plain's one-token forward is
+        timed."""
         if self.plain_row_s is None:
             return None
-        return self.prefill_s + self.tokens * self.plain_row_s - (self.clock() - self.started)
+        return self.prefill_s + self.tokens * PLAIN_SHARE * self.plain_row_s - (self.clock() - self.started)
 
     def _ahead(self) -> bool:
         ahead = self.ahead_s()
@@ -175,9 +178,9 @@ class FormTrials:
 
     def may_learn(self) -> bool:
         """Whether the call may spend time on learning (wide steps in forms being timed, prefills in trial forms,
-        weight copies): while ahead of plain `generate` by RESERVE_STEPS one-token forwards, or once it has run
-        LEARN_ANYWAY seconds."""
-        return self._ahead() or self.clock() - self.started >= LEARN_ANYWAY
+        weight copies): while ahead of plain `generate` by RESERVE_STEPS one-token forwards. A call that never gets
+        ahead learns nothing, and runs as plain's forms do: what it learns, it pays for."""
+        return self._ahead()
 
     def handles(self, rows: int) -> bool:
         """Whether these trials compute products of `rows` rows: pending, settled by them in this call, or any
@@ -366,9 +369,10 @@ class FormTrials:
         only wide steps would make them, and the budget, seeing them dear without, might never choose one."""
         kind, group = self.copy_kind, self.group_of.get(id(layer))
         if group is not None and group[0] not in self.copies.apart:
-            if layer is group[0] and self.copies.get_fused(group, kind) is None and self._may_copy():
+            if layer is group[0] and self.copies.get_fused(group, kind) is None and self._may_copy(list(group), kind):
                 self._making(self.copies.prepare_fused, [group], kind)
-        elif (self.copies.get(layer, kind) is None and (shape, kind) not in self.uncopied and self._may_copy()):
+        elif (self.copies.get(layer, kind) is None and (shape, kind) not in self.uncopied
+              and self._may_copy([layer], kind)):
             self._making(self.copies.prepare, [layer], kind)
             if self.copies.get(layer, kind) is None:
                 self.uncopied.add((shape, kind))
@@ -381,7 +385,7 @@ class FormTrials:
             return None
         if group[0] not in self.stacked_products:
             entry = self.copies.get_fused(group, form)
-            if entry is None and layer is group[0] and self._may_copy():
+            if entry is None and layer is group[0] and self._may_copy(list(group), form):
                 self._making(self.copies.prepare_fused, [group], form)
                 entry = self.copies.get_fused(group, form)
             if entry is None:
@@ -399,7 +403,7 @@ class FormTrials:
         if copy is None and not timing and layer in self.copies.stacked:  # a stacked copy holds its weight
             return None
         if copy is None and (shape, form) not in self.uncopied and (
-                self._may_copy() or timing and layer in self.copies.stacked and self.ready()):
+                self._may_copy([layer], form) or timing and layer in self.copies.stacked and self.ready()):
             self._making(self.copies.prepare, [layer], form)
             copy = self.copies.get(layer, form)
             if copy is None:
@@ -408,19 +412,22 @@ class FormTrials:
                 self.timing_copies.append(layer)
         return copy
 
-    def _may_copy(self) -> bool:
-        """Whether a copy may be made now: while the call is ahead of plain (`may_learn`), or past LEARN_ANYWAY
-        seconds while the copies it made took at most COPY_ALLOWANCE of its time."""
-        if self._ahead():
-            return True
-        elapsed = self.clock() - self.started
-        return elapsed >= LEARN_ANYWAY and self.copy_s <= COPY_ALLOWANCE * elapsed
+    def _may_copy(self, layers: list[nn.Linear], form: str) -> bool:
+        """Whether a copy of `layers`' weights for `form` may be made now: where the call stays ahead of plain by its
+        reserve once the copy is made, at the rate copies were made so far (COPY_BYTES_S before any was timed)."""
+        ahead = self.ahead_s()
+        if ahead is None:
+            return False
+        nbytes = sum(copy_nbytes(m.weight, form) for m in layers)
+        rate = self.copied_bytes / self.copying_s if self.copying_s > 0 else COPY_BYTES_S
+        return ahead - nbytes / rate >= RESERVE_STEPS * self.plain_row_s
 
     def _making(self, make, layers: list, form: str) -> None:
-        """`make(layers, form)` (a `WeightCopies.prepare*`), its time counted against the allowance."""
+        """`make(layers, form)` (a `WeightCopies.prepare*`), timed: how fast copies are made."""
         start = self.clock()
         make(layers, form)
-        self.copy_s += self.clock() - start
+        self.copying_s += self.clock() - start  # `layers`: layers, or groups of them (stacked copies)
+        self.copied_bytes += sum(copy_nbytes(m.weight, form) for u in layers for m in (u if isinstance(u, tuple) else (u,)))
 
     def _ms(self, n: int, shape: tuple, form: str) -> float:
         """The least time of a product of `shape` at row count `n` in `form`: where the shape takes no copy
