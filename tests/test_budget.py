@@ -765,6 +765,11 @@ def test_heads_gate_stops_heads_that_cost_more_than_their_deepest_draft_could_sa
     assert gate.hopeless and gate.pause == gate.next_pause == MAX_PAUSE and not gate.drafting()
     gate.restart()
     assert not gate.hopeless and gate.drafting()
+    # heads with a running cost of drafting that pays: two stalls in a row of one-level drafts count at that cost
+    gate.record(draft_ms=2.0, augment_ms=0.0, tokens=2.0, verify_ms=10.0, rate_without=0.1)
+    gate.beyond_gain(draft_ms=30.0, steps_saved=1, step_ms=10.0)
+    gate.beyond_gain(draft_ms=30.0, steps_saved=1, step_ms=10.0)
+    assert not gate.hopeless and gate.dear == 0
 
 
 def test_a_first_call_stops_drafting_with_heads_that_can_never_pay(tmp_path):

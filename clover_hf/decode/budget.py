@@ -39,10 +39,6 @@ PROBE_SHARE = 0.1
 # accuracy where the heads were not paying anyway, verification stays exact.
 CATCH_UP_STEPS = 32
 FULL_DEPTH_EVERY = 8  # of drafting steps, those that draft the tree's full depth whatever was used before
-# the depth heads start drafting at, until verified drafts show deeper levels accepted: each level is a pass of a head
-# and its output layer, which over a large vocabulary (untrained heads drafting from all of Gemma's 262,144 rows)
-# cost as much as a base forward, four levels a draft twice over before the gate found them hopeless
-FIRST_DEPTH = 1
 
 
 @dataclass
@@ -73,7 +69,7 @@ class HeadsGate:
         """Forget what was judged while the linear forms were being learnt: their steps (and drafting) cost more
         than they will, and pauses doubled on them would keep the heads from drafting in the next calls."""
         self.draft_ms, self.augment_ms, self.gain, self.probe = None, 0.0, None, []
-        self.pause, self.next_pause, self.depth, self.unsettled, self.hopeless = 0, MIN_PAUSE, FIRST_DEPTH, False, False
+        self.pause, self.next_pause, self.depth, self.unsettled, self.hopeless = 0, MIN_PAUSE, None, False, False
         self.dear = 0
 
     def beyond_gain(self, draft_ms: float, steps_saved: int, step_ms: float) -> None:
@@ -82,7 +78,11 @@ class HeadsGate:
         heads drafting from a large vocabulary). They pause at once for as long as a pause lasts, and steps that
         explore wider widths take the lookup chain alone, rather than judging the heads over more drafting steps,
         each dearer than what plain decoding would have done in the time. Two such steps in a row: a process's
-        first draft also makes what the heads compute from (weight copies, tables), which later drafts do not."""
+        first draft also makes what the heads compute from (weight copies, tables), which later drafts do not. Once
+        the gate has a running cost of drafting, a step counts at most that: two stalls in a row of one-level drafts
+        (each dear beside the one step it could save) had paused heads that paid for as long as a pause lasts."""
+        if self.draft_ms is not None:
+            draft_ms = min(draft_ms, self.draft_ms)
         self.dear = self.dear + 1 if draft_ms > steps_saved * step_ms else 0
         if self.dear >= 2:
             self.hopeless, self.gain, self.probe = True, None, []
@@ -184,8 +184,7 @@ class DraftBudget:
         one, and its steps count the tokens of its last row): heads that never pay at several rows grow long
         pauses, which a shared gate would carry into the next one-row call. And with the tree: calls alternating
         trees on one gate drafted far less often than one tree alone."""
-        # fixed costs verify the whole tree from the first step; learnt ones start at FIRST_DEPTH
-        return self._gates.setdefault((rows, setting), HeadsGate(depth=None if self.fixed is not None else FIRST_DEPTH))
+        return self._gates.setdefault((rows, setting), HeadsGate())
 
     def one_token(self) -> "DraftBudget":
         """This budget verifying one token a step: the same costs, forms and weight copies (shared, not copied)."""

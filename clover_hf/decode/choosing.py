@@ -95,10 +95,8 @@ class StepBudget:
         return self.budget.widest != 1 and self.cap != 1 and (wider or self.gate.drafting())
 
     def shallower(self, spec: list[list[int]] | DynamicTree, trees: list[TreeBuffers] | None):
-        """The tree spec and static trees cut to the depth the heads' drafts have been used to lately; whole while a
-        wider width is to be timed (its drafts must hold that many nodes)."""
-        wider = any(w > 1 for w in self.explore) and not self.gate.hopeless
-        return shallower(spec, trees, self.depth if wider else self.gate.draft_depth(self.depth), self.lookup_max)
+        """The tree spec and static trees cut to the depth the heads' drafts have been used to lately."""
+        return shallower(spec, trees, self.gate.draft_depth(self.depth), self.lookup_max)
 
     def choose(self, drafts: list[Draft], with_heads: bool, started: float, augment_s: float, augmented: int,
                lengths: list[int]) -> list[Draft]:
