@@ -57,4 +57,4 @@ __all__ = [
     "DynamicTree",
     "clover_generate",
 ]
-__version__ = "0.36.0"
+__version__ = "0.36.1"
