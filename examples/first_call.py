@@ -51,11 +51,11 @@ def main() -> None:
     model, tokenizer = load_default(dtype) if args.base is None else fresh_heads(args.base, dtype)
     count = args.batch_size * args.batches
     prompts = read_prompts("mtbench", args.first_prompt + count)[args.first_prompt:]
-    batches = encode(tokenizer, prompts, args.batch_size, model.device)
+    batches = encode_batches(tokenizer, prompts, args.batch_size, model.device)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     model.base_model.generate(**batches[0], max_new_tokens=4, do_sample=False)  # plain's own warm-up
     print(f"machine: {describe_machine()}; {dtype}; batch {args.batch_size}")
-    learn_on = encode(tokenizer, read_prompts("mtbench", 3), args.batch_size, model.device)
+    learn_on = encode_batches(tokenizer, read_prompts("mtbench", 3), args.batch_size, model.device)
     for k, inputs in enumerate(batches):
         with tempfile.TemporaryDirectory() as empty:
             if args.stored:  # an earlier process learns and stores the costs
@@ -81,15 +81,6 @@ def fresh_heads(base: str, dtype: torch.dtype):
     torch.manual_seed(0)
     model = CloverForCausalLM.from_base(AutoModelForCausalLM.from_pretrained(base, dtype=dtype).eval())
     return model, AutoTokenizer.from_pretrained(base)
-
-
-def encode(tokenizer, prompts: list[str], batch_size: int, device) -> list[dict[str, torch.Tensor]]:
-    """Chat-formatted where the tokenizer has a template, plain text otherwise."""
-    if getattr(tokenizer, "chat_template", None):
-        return encode_batches(tokenizer, prompts, batch_size, device)
-    tokenizer.padding_side = "left"
-    return [dict(tokenizer(prompts[i : i + batch_size], return_tensors="pt", padding=batch_size > 1).to(device))
-            for i in range(0, len(prompts), batch_size)]
 
 
 if __name__ == "__main__":

@@ -254,3 +254,15 @@ def test_the_long_prompts_example_writes_prompts_the_bench_reads(tmp_path, monke
     for prompt in prompts:
         assert prompt.startswith("Read this conversation:\n\n") and prompt.endswith(example.ASK)
         assert len(prompt) == len("Read this conversation:\n\n") + 4000 + len(example.ASK)
+
+
+def test_prompts_of_a_tokenizer_without_a_chat_template_are_encoded_as_plain_text():
+    """A base model's tokenizer has no chat template: the bench (and `examples/first_call.py --base`) takes its
+    prompts as plain text, one row each, or left-padded batches with their attention mask."""
+    tok = byte_tokenizer()
+    tok.pad_token = tok.convert_ids_to_tokens(0)
+    (one,) = encode_batches(tok, ["abc"], 1, "cpu")
+    assert one["input_ids"].tolist() == [[97, 98, 99]]
+    (both,) = encode_batches(tok, ["abc", "a"], 2, "cpu")
+    assert both["input_ids"].tolist() == [[97, 98, 99], [0, 0, 97]]
+    assert both["attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]

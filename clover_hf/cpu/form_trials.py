@@ -59,6 +59,11 @@ COPY_BYTES_S = 0.5e9  # how fast weight copies are made, until the trials have t
 # float32, copied at once, had cost a first call more than a second)
 
 
+def _copies_nbytes(layers: list[nn.Linear], form: str) -> int:
+    """Bytes the copies of `layers`' weights for `form` take."""
+    return sum(copy_nbytes(m.weight, form) for m in layers)
+
+
 def row_bucket(rows: int) -> int:
     """The power of two at or below `rows` (at most MAX_ROWS): the row count whose form `rows` takes."""
     return min(1 << (max(rows, 1).bit_length() - 1), MAX_ROWS)
@@ -418,16 +423,16 @@ class FormTrials:
         ahead = self.ahead_s()
         if ahead is None:
             return False
-        nbytes = sum(copy_nbytes(m.weight, form) for m in layers)
         rate = self.copied_bytes / self.copying_s if self.copying_s > 0 else COPY_BYTES_S
-        return ahead - nbytes / rate >= RESERVE_STEPS * self.plain_row_s
+        return ahead - _copies_nbytes(layers, form) / rate >= RESERVE_STEPS * self.plain_row_s
 
-    def _making(self, make, layers: list, form: str) -> None:
-        """`make(layers, form)` (a `WeightCopies.prepare*`), timed: how fast copies are made."""
+    def _making(self, make, units: list, form: str) -> None:
+        """`make(units, form)` (a `WeightCopies.prepare*` of layers, or of groups of them stacked), timed: how fast
+        copies are made."""
         start = self.clock()
-        make(layers, form)
-        self.copying_s += self.clock() - start  # `layers`: layers, or groups of them (stacked copies)
-        self.copied_bytes += sum(copy_nbytes(m.weight, form) for u in layers for m in (u if isinstance(u, tuple) else (u,)))
+        make(units, form)
+        self.copying_s += self.clock() - start
+        self.copied_bytes += _copies_nbytes([m for u in units for m in (u if isinstance(u, tuple) else (u,))], form)
 
     def _ms(self, n: int, shape: tuple, form: str) -> float:
         """The least time of a product of `shape` at row count `n` in `form`: where the shape takes no copy

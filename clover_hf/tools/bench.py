@@ -137,17 +137,21 @@ def _generated_lengths(out: torch.Tensor, prompt_len: int, eos: set[int]) -> lis
 
 
 def encode_batches(tokenizer, prompts: list[str], batch_size: int, device) -> list[dict[str, torch.Tensor]]:
-    """Chat-formatted prompts as `generate` inputs; batches are left-padded with their attention mask."""
+    """Chat-formatted prompts as `generate` inputs (plain text where the tokenizer has no chat template, as a base
+    model's); batches are left-padded with their attention mask."""
+    chat = bool(getattr(tokenizer, "chat_template", None))
     chats = [[{"role": "user", "content": p}] for p in prompts]
-    if batch_size == 1:
+    if batch_size == 1 and chat:
         return [{"input_ids": tokenizer.apply_chat_template(c, add_generation_prompt=True, return_tensors="pt",
                                                             return_dict=False).to(device)} for c in chats]
-    if tokenizer.pad_token is None:
+    if batch_size > 1 and tokenizer.pad_token is None:
         raise ValueError("batched benchmarks pad prompts: the tokenizer needs a pad_token")
     tokenizer.padding_side = "left"
-    texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
-    return [dict(tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=True,
-                           add_special_tokens=False).to(device))
+    texts = prompts  # plain text: the tokenizer adds its special tokens (a BOS), as to any prompt
+    if chat:
+        texts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in chats]
+    return [dict(tokenizer(texts[i : i + batch_size], return_tensors="pt", padding=batch_size > 1,
+                           add_special_tokens=not chat).to(device))
             for i in range(0, len(texts), batch_size)]
 
 
@@ -194,14 +198,13 @@ def run_benchmark(model, tokenizer, prompts: list[str], max_new_tokens: int = 12
     timer = _Timer(base, encode_batches(tokenizer, prompts, batch_size, base.device), kwargs)
     _fit_static_caches(timer.batches, max_new_tokens, [*plain_runs.values(), *clover_runs.values()])
     for inputs in timer.batches[:warmup]:
-        for fn in methods.values():
-            fn(inputs)
-        for name, (drafter, _) in drafting.items():  # warm: a first call learns only what it can pay for
-            for _ in range(WARM_CALLS):
-                stats = getattr(drafter, "generation_stats", None)
+        for name, fn in methods.items():
+            # a Clover run again until a call learns nothing: a first call learns only what it can pay for
+            for _ in range(WARM_CALLS if name in drafting else 1):
+                fn(inputs)
+                stats = getattr(drafting[name][0], "generation_stats", None) if name in drafting else None
                 if stats is None or not stats.learning_steps:
                     break
-                methods[name](inputs)
     for k in range(len(timer.batches)):
         _time_batch(timer, k, methods, drafting, results, same_length=batch_size == 1)
         log(f"[{k + 1}/{len(timer.batches)}] " + "  ".join(
